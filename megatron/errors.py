@@ -1,0 +1,21 @@
+"""Errors meant for people: one sentence that names the bad input and the fix.
+
+Entry points catch `UserError` and print only its message (no traceback), so every check on
+flags, files and data raises a subclass of it before any work is done.
+"""
+
+
+class UserError(Exception):
+    """A problem with the user's input (a flag, a file, a data set) that the user can fix."""
+
+
+class ConfigError(UserError):
+    """A flag or config value that is invalid or contradicts another."""
+
+
+class DataError(UserError):
+    """A data file, tokenizer or corpus that is missing, corrupt or unusable."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or does not match the model."""
