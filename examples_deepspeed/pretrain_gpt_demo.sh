@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The built-in demo, start to finish on the CPU: a corpus from the Python standard library's own
+# sources, a SentencePiece tokenizer, Megatron's indexed dataset, then a few minutes of training
+# a small GPT with evaluation, TensorBoard logs and a checkpoint. Run it with `make demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+DEMO_DIR=${DEMO_DIR:-demo_output}
+mkdir -p "$DEMO_DIR"
+
+echo "== 1/4 corpus"
+[ -s "$DEMO_DIR/corpus.jsonl" ] || $PYTHON tools/build_demo_corpus.py --output "$DEMO_DIR/corpus.jsonl" --max-megabytes 8
+
+echo "== 2/4 tokenizer"
+[ -s "$DEMO_DIR/tokenizer.model" ] || $PYTHON tools/train_tokenizer.py --input "$DEMO_DIR/corpus.jsonl" \
+    --json-keys text --vocab-size 4000 --model-type bpe --model-prefix "$DEMO_DIR/tokenizer"
+
+echo "== 3/4 preprocessing"
+[ -s "$DEMO_DIR/corpus_text_document.idx" ] || $PYTHON tools/preprocess_data.py --input "$DEMO_DIR/corpus.jsonl" \
+    --json-keys text --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO_DIR/tokenizer.model" \
+    --append-eod --workers 2 --output-prefix "$DEMO_DIR/corpus"
+
+echo "== 4/4 training"
+rm -rf "$DEMO_DIR/checkpoints" "$DEMO_DIR/tensorboard"
+$PYTHON pretrain_gpt.py \
+    --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
+    --micro-batch-size 8 --global-batch-size 16 --train-iters ${DEMO_ITERS:-150} \
+    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
+    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0 \
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO_DIR/tokenizer.model" \
+    --data-path "$DEMO_DIR/corpus_text_document" --split 949,50,1 --num-workers 1 \
+    --log-interval 10 --eval-interval 50 --eval-iters 4 --eval-at-start \
+    --save "$DEMO_DIR/checkpoints" --tensorboard-dir "$DEMO_DIR/tensorboard"

@@ -1,0 +1,290 @@
+"""Megatron-style command-line flags -> one frozen `PretrainConfig`, parsed and validated once.
+
+Unknown flags and contradictions stop here, with one sentence, before any work is done.
+"""
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.errors import ConfigError
+from megatron.model.config import GPTConfig
+from megatron.runtime.config import RuntimeConfig, resolve_batch_sizes
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple[str, ...] | None
+    train_data_path: tuple[str, ...] | None
+    valid_data_path: tuple[str, ...] | None
+    test_data_path: tuple[str, ...] | None
+    split: str
+    tokenizer_type: str
+    tokenizer_model: str | None
+    vocab_file: str | None
+    merge_file: str | None
+    vocab_size: int | None
+    make_vocab_size_divisible_by: int
+    num_workers: int
+    eod_mask_loss: bool
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    lr: float
+    min_lr: float
+    lr_decay_style: str
+    lr_warmup_tokens: int  # the LR schedule counts tokens; iteration and sample flags convert
+    lr_decay_tokens: int
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    precision: str  # "fp32", "bf16" or "fp16"
+    loss_scale: float | None
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: int
+    hysteresis: int
+    seed: int
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.global_batch_size * self.seq_length
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int
+    eval_interval: int
+    eval_iters: int
+    eval_at_start: bool
+    tensorboard_dir: str | None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None
+    load: str | None
+    save_interval: int | None
+    load_optim: bool
+    load_rng: bool
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    model: GPTConfig  # vocab_size is filled in from the tokenizer at start-up
+    data: DataConfig
+    training: TrainingConfig
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    flags: dict[str, Any]  # the parsed flags as given, saved with every checkpoint
+
+    def runtime_config(self, dp_size: int) -> RuntimeConfig:
+        """The engine's config for these flags, with batch sizes checked against `dp_size`."""
+        t = self.training
+        config = RuntimeConfig(
+            train_batch_size=t.global_batch_size,
+            train_micro_batch_size_per_gpu=t.micro_batch_size,
+            optimizer={"type": "AdamW", "params": {
+                "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay,
+            }},
+            fp16={
+                "enabled": t.precision == "fp16", "loss_scale": t.loss_scale or 0.0,
+                "initial_scale_power": round(math.log2(t.initial_loss_scale)),
+                "loss_scale_window": t.loss_scale_window, "hysteresis": t.hysteresis,
+                "min_loss_scale": t.min_loss_scale,
+            },
+            bf16={"enabled": t.precision == "bf16"},
+            gradient_clipping=t.clip_grad,
+            steps_per_print=self.logging.log_interval,
+        )
+        return resolve_batch_sizes(config, dp_size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Pretrain a GPT model (Megatron-style flags).", allow_abbrev=False,
+    )
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--checkpoint-activations", "--recompute-activations", action="store_true", dest="checkpoint_activations")
+
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-impl", choices=["mmap"], default="mmap")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--train-tokens", type=int, default=None)
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-tokens", type=int, default=None)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-decay-tokens", type=int, default=None)
+    g.add_argument("--optimizer", choices=["adam"], default="adam")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale; default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="chosen from the device when omitted")
+
+    g = parser.add_argument_group("logging, evaluation and checkpoints")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-at-start", action="store_true", help="also evaluate before the first iteration")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    return parser
+
+
+def _one_of(args: argparse.Namespace, names: list[str], required: bool) -> str | None:
+    given = [n for n in names if getattr(args, n) is not None]
+    if len(given) > 1:
+        flags = " and ".join("--" + n.replace("_", "-") for n in given)
+        raise ConfigError(f"{flags} were both given; use only one of them")
+    if required and not given:
+        raise ConfigError("give the training length with one of " + ", ".join("--" + n.replace("_", "-") for n in names))
+    return given[0] if given else None
+
+
+def _positive(args: argparse.Namespace, names: list[str]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _tokens(args: argparse.Namespace, kind: str, seq: int, gbs: int, default_tokens: int) -> int:
+    """A warmup or decay length given in iterations, samples or tokens, as tokens."""
+    which = _one_of(args, [f"lr_{kind}_iters", f"lr_{kind}_samples", f"lr_{kind}_tokens"], required=False)
+    if which is None:
+        return default_tokens
+    value = getattr(args, which)
+    return value * gbs * seq if which.endswith("iters") else value * seq if which.endswith("samples") else value
+
+
+def config_from_args(args: argparse.Namespace) -> PretrainConfig:
+    _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                     "global_batch_size", "train_iters", "train_samples", "train_tokens", "log_interval",
+                     "eval_interval", "save_interval", "make_vocab_size_divisible_by", "lr"])
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 were both given; choose one precision")
+    max_positions = args.max_position_embeddings or args.seq_length
+    if args.seq_length > max_positions:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_positions}")
+    if not args.data_path and not args.train_data_path:
+        raise ConfigError("no training data: give --data-path PREFIX (made by tools/preprocess_data.py) or --train-data-path")
+    if args.data_path and args.train_data_path:
+        raise ConfigError("--data-path and --train-data-path were both given; use one of them for training data")
+    seq = args.seq_length
+    gbs = args.global_batch_size or args.micro_batch_size  # the data-parallel default is applied at start-up
+    length_flag = _one_of(args, ["train_iters", "train_samples", "train_tokens"], required=True)
+    per_iter = {"train_iters": 1, "train_samples": gbs, "train_tokens": gbs * seq}[length_flag]
+    train_iters = math.ceil(getattr(args, length_flag) / per_iter)
+    model = GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
+        rotary_base=args.rotary_base, checkpoint_activations=args.checkpoint_activations,
+    )
+    data = DataConfig(
+        data_path=tuple(args.data_path) if args.data_path else None,
+        train_data_path=tuple(args.train_data_path) if args.train_data_path else None,
+        valid_data_path=tuple(args.valid_data_path) if args.valid_data_path else None,
+        test_data_path=tuple(args.test_data_path) if args.test_data_path else None,
+        split=args.split, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, num_workers=args.num_workers,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+    training = TrainingConfig(
+        seq_length=seq, micro_batch_size=args.micro_batch_size, global_batch_size=gbs, train_iters=train_iters,
+        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
+        lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq),
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
+    )
+    logging = LoggingConfig(
+        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        eval_at_start=args.eval_at_start, tensorboard_dir=args.tensorboard_dir,
+    )
+    checkpoint = CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+    )
+    return PretrainConfig(model, data, training, logging, checkpoint, flags=vars(args))
+
+
+def parse_args(argv: list[str] | None = None) -> PretrainConfig:
+    """Parse and validate Megatron-style flags; argparse exits with usage on unknown flags."""
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainConfig:
+    """Apply Megatron's default global batch (micro batch x data-parallel size) once the world
+    size is known, and check that the global batch divides into micro-batches."""
+    if config.flags["global_batch_size"] is None and dp_size > 1:
+        flags = {**config.flags, "global_batch_size": config.training.micro_batch_size * dp_size}
+        config = config_from_args(argparse.Namespace(**flags))
+    config.runtime_config(dp_size)  # raises when the global batch does not divide
+    return config

@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizer -> indexed dataset (.bin/.idx) -> GPT samples -> loader."""

@@ -1,0 +1,310 @@
+"""Megatron's GPT dataset: fixed-length samples cut from a shuffled stream of documents.
+
+Three index arrays, built exactly as Megatron-LM builds them (same seed -> same samples):
+  doc_idx      document order: the documents tiled once per epoch, shuffled with RandomState(seed)
+  sample_idx   [num_samples + 1, 2] (index into doc_idx, token offset) where each sample starts;
+               sample i spans seq_length + 1 tokens, and shares its last token with sample i + 1
+  shuffle_idx  order in which samples are served
+They are cached as .npy files next to the data so every rank and every restart reuses them.
+"""
+
+import logging
+import math
+import os
+import uuid
+
+import numpy as np
+import torch
+
+from megatron.data.blending import BlendedDataset, parse_weighted_prefixes
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+# Megatron builds the last epoch apart when it would contribute less than this share of an epoch,
+# so its few samples are not diluted across (and pulled forward into) all the earlier epochs.
+_SEPARATE_LAST_EPOCH_FRACTION = 0.80
+# Extra samples requested from each blended data set, so greedy blending never runs one dry.
+_BLEND_OVERSAMPLE = 1.005
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest n with (n * tokens_per_epoch - 1) // seq_length >= num_samples (-1: samples overlap by one)."""
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
+def _build_doc_idx(
+    documents: np.ndarray, num_epochs: int, np_rng: np.random.RandomState, separate_last_epoch: bool
+) -> np.ndarray:
+    if separate_last_epoch:
+        first = _build_doc_idx(documents, num_epochs - 1, np_rng, False)
+        last = _build_doc_idx(documents, 1, np_rng, False)
+        return np.concatenate((first, last))
+    doc_idx = np.tile(documents, num_epochs).astype(np.int32)
+    np_rng.shuffle(doc_idx)
+    return doc_idx
+
+
+def _build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
+    """Vectorised form of Megatron's walk over doc_idx.
+
+    Sample k starts at token k * seq_length of the concatenated documents. Row k >= 1 records the
+    position of the *last* token of sample k - 1 (the walk stops on it), i.e. the document that
+    holds that token and the offset inside it; row 0 is (0, 0) as the walk starts there.
+    """
+    starts = np.zeros(len(doc_idx) + 1, dtype=np.int64)
+    np.cumsum(sizes[doc_idx], dtype=np.int64, out=starts[1:])
+    positions = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
+    # side="right" skips empty documents: a token belongs to the last document starting at or before it.
+    doc_index = np.searchsorted(starts, positions, side="right") - 1
+    sample_idx = np.zeros((num_samples + 1, 2), dtype=np.int32)
+    sample_idx[1:, 0] = doc_index
+    sample_idx[1:, 1] = positions - starts[doc_index]
+    return sample_idx
+
+
+def _build_shuffle_idx(num_samples: int, total_size: int, np_rng: np.random.RandomState) -> np.ndarray:
+    """Shuffle [0, num_samples) and [num_samples, total_size) separately, first part first."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    np_rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    np_rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def _build_index_arrays(
+    sizes: np.ndarray, documents: np.ndarray, tokens_per_epoch: int, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    num_epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
+    total_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    samples_before_last_epoch = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    separate_last_epoch = num_epochs > 1 and (
+        num_samples - samples_before_last_epoch < int(_SEPARATE_LAST_EPOCH_FRACTION * samples_per_epoch)
+    )
+    np_rng = np.random.RandomState(seed=seed)
+    doc_idx = _build_doc_idx(documents, num_epochs, np_rng, separate_last_epoch)
+    sample_idx = _build_sample_idx(sizes, doc_idx, seq_length, total_samples)
+    # With a separate last epoch its samples are shuffled apart too, and served after the rest.
+    first_shuffled = samples_before_last_epoch if separate_last_epoch else total_samples
+    shuffle_idx = _build_shuffle_idx(first_shuffled, total_samples, np_rng)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+def _save_atomically(path: str, array: np.ndarray) -> None:
+    """Write to a unique temporary file, then rename: other ranks see the whole file or none.
+    (A plain open keeps the umask's permissions, so users sharing the data can read the cache.)"""
+    tmp_path = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp_path, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        os.replace(tmp_path, path)
+    finally:
+        if os.path.exists(tmp_path):  # the write failed (a full disk): leave no litter behind
+            os.remove(tmp_path)
+
+
+def _cache_matches(
+    arrays: list[np.ndarray], documents: np.ndarray, tokens_per_epoch: int, num_samples: int, seq_length: int
+) -> bool:
+    """Whether cached arrays fit these documents. Megatron's file names omit the document range,
+    so a changed --split would otherwise silently reuse another split's arrays."""
+    doc_idx, sample_idx, shuffle_idx = arrays
+    num_epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
+    total_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    return (
+        doc_idx.shape == (num_epochs * len(documents),)
+        and sample_idx.shape == (total_samples + 1, 2)
+        and shuffle_idx.shape == (total_samples,)
+        and int(doc_idx.min()) == int(documents.min())
+        and int(doc_idx.max()) == int(documents.max())
+    )
+
+
+def _load_or_build_index_arrays(
+    name: str,
+    dataset: MMapIndexedDataset,
+    documents: np.ndarray,
+    tokens_per_epoch: int,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    stem = f"{dataset.path_prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
+    paths = [f"{stem}_{kind}_idx.npy" for kind in ("doc", "sample", "shuffle")]
+    if all(os.path.isfile(p) for p in paths):
+        cached = [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths]
+        if _cache_matches(cached, documents, tokens_per_epoch, num_samples, seq_length):
+            return tuple(cached)
+        logger.warning("index cache %s_*_idx.npy was built for other documents; rebuilding it", stem)
+    arrays = _build_index_arrays(dataset.sizes, documents, tokens_per_epoch, num_samples, seq_length, seed)
+    try:
+        for path, array in zip(paths, arrays):
+            _save_atomically(path, array)
+    except OSError as e:  # read-only data directory: keep the arrays in memory for this run
+        logger.warning(
+            "could not cache GPT index arrays next to %s (%s); they will be rebuilt next run", dataset.path_prefix, e
+        )
+    return arrays
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of seq_length + 1 tokens ({"text": int64 array}) drawn from `documents` of a data set."""
+
+    def __init__(
+        self,
+        name: str,
+        indexed_dataset: MMapIndexedDataset,
+        documents: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+    ) -> None:
+        prefix = indexed_dataset.path_prefix
+        if len(documents) == 0 or documents.min() < 0 or documents.max() >= len(indexed_dataset):
+            raise DataError(
+                f"{prefix}: the {name} documents must be a non-empty range inside its "
+                f"{len(indexed_dataset)} sequences; check --split."
+            )
+        tokens_per_epoch = int(np.sum(indexed_dataset.sizes[documents], dtype=np.int64))
+        if tokens_per_epoch == 0:
+            raise DataError(
+                f"{prefix}: the {name} documents hold no tokens; check --split or preprocess a non-empty corpus."
+            )
+        if seq_length < 1 or num_samples < 0:
+            raise ConfigError(
+                f"{name} dataset needs seq_length >= 1 and num_samples >= 0, got {seq_length} and {num_samples}."
+            )
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        self.doc_idx, self.sample_idx, self.shuffle_idx = _load_or_build_index_arrays(
+            name, indexed_dataset, documents, tokens_per_epoch, num_samples, seq_length, seed
+        )
+
+    def __len__(self) -> int:
+        return self.sample_idx.shape[0] - 1
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} is outside the {self.name} dataset of {len(self)} samples")
+        sample = int(self.shuffle_idx[i])
+        first_doc, first_offset = (int(x) for x in self.sample_idx[sample])
+        last_doc, last_offset = (int(x) for x in self.sample_idx[sample + 1])
+        get = self.indexed_dataset.get
+        if first_doc == last_doc:
+            tokens = get(self.doc_idx[first_doc], offset=first_offset, length=last_offset - first_offset + 1)
+        else:
+            pieces = [get(self.doc_idx[first_doc], offset=first_offset)]
+            pieces.extend(get(self.doc_idx[d]) for d in range(first_doc + 1, last_doc))
+            pieces.append(get(self.doc_idx[last_doc], length=last_offset + 1))
+            tokens = np.concatenate(pieces)
+        return {"text": tokens.astype(np.int64)}
+
+
+PretrainingDataset = GPTDataset | BlendedDataset
+
+
+def get_train_valid_test_split(splits_string: str, size: int) -> list[int]:
+    """Document boundaries [0, a, b, size] from weights like "969,30,1" (or "98/2/0"), as Megatron."""
+    separator = "," if "," in splits_string else "/"
+    try:
+        splits = [float(s) for s in splits_string.split(separator)]
+    except ValueError as e:
+        raise ConfigError(
+            f"--split {splits_string!r} must be up to three numbers separated by ',' or '/', like 969,30,1."
+        ) from e
+    splits = (splits + [0.0, 0.0])[:3]
+    if any(s < 0 for s in splits) or sum(splits) <= 0:
+        raise ConfigError(f"--split {splits_string!r} needs non-negative weights with a positive sum, like 969,30,1.")
+    total = sum(splits)
+    bounds = [0]
+    for split in splits:
+        bounds.append(bounds[-1] + int(round(split / total * float(size))))
+    excess = bounds[-1] - size
+    bounds[1:] = [b - excess for b in bounds[1:]]
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ConfigError(
+            f"--split {splits_string!r} cannot divide {size} documents; give each non-zero split a larger weight."
+        )
+    return bounds
+
+
+def _split_documents(prefix: str, splits_string: str | None, split_index: int) -> tuple[MMapIndexedDataset, np.ndarray]:
+    """A data set and the sequences of its documents in one split (all of them when splits_string is None).
+
+    The split is over documents (doc_idx entries); GPTDataset works on the sequences they cover,
+    which are the same thing when every document is one sequence, as tools/preprocess_data.py writes.
+    """
+    indexed = MMapIndexedDataset(prefix)
+    num_docs = len(indexed.doc_idx) - 1
+    if splits_string is None:
+        first, last = 0, num_docs
+    else:
+        first, last = get_train_valid_test_split(splits_string, num_docs)[split_index : split_index + 2]
+    return indexed, np.arange(indexed.doc_idx[first], indexed.doc_idx[last], dtype=np.int32)
+
+
+def _build_dataset(
+    name: str,
+    data_prefix: list[str],
+    splits_string: str | None,
+    split_index: int,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+) -> PretrainingDataset | None:
+    if num_samples == 0:
+        return None
+    if len(data_prefix) == 1:
+        indexed, documents = _split_documents(data_prefix[0], splits_string, split_index)
+        return GPTDataset(name, indexed, documents, num_samples, seq_length, seed) if len(documents) else None
+    prefixes, weights = parse_weighted_prefixes(data_prefix)
+    weighted = [(*_split_documents(p, splits_string, split_index), w) for p, w in zip(prefixes, weights) if w > 0]
+    kept = [(indexed, documents, w) for indexed, documents, w in weighted if len(documents)]
+    if not kept:
+        return None
+    if len(kept) < len(weighted):  # a set with no documents in this split: the others share its weight
+        total = sum(w for _, _, w in kept)
+        kept = [(indexed, documents, w / total) for indexed, documents, w in kept]
+    per_dataset_samples = [math.ceil(num_samples * w * _BLEND_OVERSAMPLE) for _, _, w in kept]
+    datasets = [
+        GPTDataset(name, indexed, documents, n, seq_length, seed)
+        for (indexed, documents, _), n in zip(kept, per_dataset_samples)
+    ]
+    return BlendedDataset(datasets, [w for _, _, w in kept], sum(per_dataset_samples))
+
+
+def build_train_valid_test_datasets(
+    data_prefix: list[str] | None,
+    splits_string: str,
+    train_valid_test_num_samples: tuple[int, int, int],
+    seq_length: int,
+    seed: int,
+    train_data_prefix: list[str] | None = None,
+    valid_data_prefix: list[str] | None = None,
+    test_data_prefix: list[str] | None = None,
+) -> tuple[PretrainingDataset | None, PretrainingDataset | None, PretrainingDataset | None]:
+    """(train, valid, test) datasets, each a GPTDataset, a BlendedDataset or None.
+
+    A split's own prefix list (train_data_prefix, ...) is used whole; otherwise the split comes
+    from `data_prefix` cut by `splits_string`. Prefix lists are [p] or [w1, p1, w2, p2, ...].
+    """
+    own_prefixes = (train_data_prefix, valid_data_prefix, test_data_prefix)
+    if not data_prefix and not any(own_prefixes):
+        raise ConfigError(
+            "no training data given; pass --data-path, or --train-data-path/--valid-data-path/--test-data-path."
+        )
+    datasets = []
+    for index, (name, own, num_samples) in enumerate(zip(_SPLIT_NAMES, own_prefixes, train_valid_test_num_samples)):
+        if own:
+            datasets.append(_build_dataset(name, own, None, index, num_samples, seq_length, seed))
+        elif data_prefix:
+            datasets.append(_build_dataset(name, data_prefix, splits_string, index, num_samples, seq_length, seed))
+        else:
+            datasets.append(None)
+    return tuple(datasets)

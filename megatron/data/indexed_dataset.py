@@ -1,0 +1,219 @@
+"""Megatron's memory-mapped indexed dataset: token sequences in PREFIX.bin, their index in PREFIX.idx.
+
+The byte layout is Megatron-LM's, so files written here load there and the other way round:
+
+    PREFIX.idx  magic b"MMIDIDX\\x00\\x00" | version <Q = 1 | dtype code <B | num_sequences <Q |
+                num_doc_idx <Q | sizes int32[num_sequences] | pointers int64[num_sequences] |
+                doc_idx int64[num_doc_idx]
+    PREFIX.bin  the tokens of every sequence, back to back, in the dtype named by the code
+
+`pointers` are byte offsets of each sequence in .bin; `doc_idx` lists the sequence at which each
+document starts, beginning with 0 and ending with num_sequences.
+"""
+
+import os
+import struct
+
+import numpy as np
+
+from megatron.errors import DataError
+
+_MAGIC = b"MMIDIDX\x00\x00"
+_VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, num sequences, num doc_idx
+
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+
+# Megatron switches to int32 a little below 2**16, and readers rely on that exact threshold.
+_UINT16_VOCAB_LIMIT = 65500
+
+
+def idx_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def dataset_exists(prefix: str) -> bool:
+    return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
+
+
+def best_fitting_dtype(vocab_size: int) -> np.dtype:
+    """The smallest token dtype Megatron uses for a vocabulary of this size."""
+    if vocab_size < _UINT16_VOCAB_LIMIT:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def _dtype_code(dtype: np.dtype, where: str) -> int:
+    code = _CODE_OF_DTYPE.get(np.dtype(dtype))
+    if code is None:
+        supported = ", ".join(str(d) for d in DTYPE_CODES.values())
+        raise DataError(f"{where}: token dtype {np.dtype(dtype)} has no Megatron index code; use one of {supported}.")
+    return code
+
+
+class MMapIndexedDatasetBuilder:
+    """Appends token sequences to a .bin file and writes the matching .idx on `finalize`.
+
+    Tokens go to BIN.tmp and both files are renamed into place only by `finalize`, so a crash or
+    an error never leaves a half-written data set under the final names (nor clobbers an old one).
+    Use as a context manager to remove the temporary file when something fails before `finalize`.
+    """
+
+    def __init__(self, bin_path: str, dtype: np.dtype, vocab_size: int | None = None) -> None:
+        self.dtype = np.dtype(dtype)
+        _dtype_code(self.dtype, bin_path)
+        if vocab_size is not None and np.issubdtype(self.dtype, np.integer):
+            largest_id = vocab_size - 1
+            if largest_id > np.iinfo(self.dtype).max:
+                raise DataError(
+                    f"{bin_path}: a vocabulary of {vocab_size} ids does not fit in {self.dtype} tokens "
+                    f"(largest {np.iinfo(self.dtype).max}); use int32."
+                )
+        self._bin_path = bin_path
+        self._tmp_path = bin_path + ".tmp"
+        self._file = open(self._tmp_path, "wb")
+        self._sizes: list[int] = []
+        self._doc_idx: list[int] = [0]
+
+    def add_item(self, tokens) -> None:
+        array = np.asarray(tokens, dtype=self.dtype)
+        self._file.write(array.tobytes(order="C"))
+        self._sizes.append(array.size)
+
+    def end_document(self) -> None:
+        self._doc_idx.append(len(self._sizes))
+
+    def finalize(self, idx_path: str) -> None:
+        self._file.close()
+        sizes = np.asarray(self._sizes, dtype=np.int32)
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= self.dtype.itemsize
+        doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
+        tmp_idx = idx_path + ".tmp"
+        with open(tmp_idx, "wb") as f:
+            f.write(_HEADER.pack(_MAGIC, _VERSION, _dtype_code(self.dtype, idx_path), len(sizes), len(doc_idx)))
+            f.write(sizes.tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(doc_idx.tobytes(order="C"))
+        os.replace(self._tmp_path, self._bin_path)
+        os.replace(tmp_idx, idx_path)
+
+    def __enter__(self) -> "MMapIndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._file.closed:  # finalize was not reached: drop the partial tokens
+            self._file.close()
+            os.remove(self._tmp_path)
+
+
+class MMapIndexedDataset:
+    """Read-only, memory-mapped view of PREFIX.idx / PREFIX.bin, checked on open."""
+
+    def __init__(self, path_prefix: str) -> None:
+        self.path_prefix = path_prefix
+        self._open()
+
+    def _open(self) -> None:
+        prefix = self.path_prefix
+        if not dataset_exists(prefix):
+            raise DataError(
+                f"no indexed dataset at prefix {prefix!r}: both {idx_path(prefix)} and {bin_path(prefix)} are "
+                "needed; produce them with tools/preprocess_data.py."
+            )
+        index_file = idx_path(prefix)
+        with open(index_file, "rb") as f:
+            header = f.read(_HEADER.size)
+        if not _MAGIC.startswith(header[: len(_MAGIC)]):
+            raise DataError(
+                f"{index_file} is not a Megatron mmap index (bad magic bytes); "
+                "regenerate it with tools/preprocess_data.py."
+            )
+        if len(header) < _HEADER.size:
+            raise DataError(
+                f"{index_file} is truncated inside its header; regenerate it with tools/preprocess_data.py."
+            )
+        _, version, code, num_sequences, num_doc_idx = _HEADER.unpack(header)
+        if version != _VERSION:
+            raise DataError(
+                f"{index_file} has index version {version}, but only version {_VERSION} is supported; regenerate it."
+            )
+        if code not in DTYPE_CODES:
+            raise DataError(
+                f"{index_file} declares unknown dtype code {code} (known: 1-8); the file is corrupt, regenerate it."
+            )
+        if num_sequences == 0:
+            raise DataError(f"{index_file} holds zero sequences; the corpus was empty, preprocess a non-empty one.")
+        self.dtype = DTYPE_CODES[code]
+
+        arrays_bytes = num_sequences * (4 + 8) + num_doc_idx * 8
+        index_size = os.path.getsize(index_file)
+        if index_size < _HEADER.size + arrays_bytes:
+            raise DataError(
+                f"{index_file} is truncated: its header declares {num_sequences} sequences and {num_doc_idx} "
+                f"document entries ({_HEADER.size + arrays_bytes} bytes) but the file has {index_size} bytes; "
+                "regenerate it with tools/preprocess_data.py."
+            )
+        index = np.memmap(index_file, mode="r", dtype=np.uint8, shape=(_HEADER.size + arrays_bytes,))
+        offset = _HEADER.size
+        self.sizes = np.frombuffer(index, dtype=np.int32, count=num_sequences, offset=offset)
+        offset += self.sizes.nbytes
+        self.pointers = np.frombuffer(index, dtype=np.int64, count=num_sequences, offset=offset)
+        offset += self.pointers.nbytes
+        self.doc_idx = np.frombuffer(index, dtype=np.int64, count=num_doc_idx, offset=offset)
+        if num_doc_idx < 1 or self.doc_idx[0] != 0 or self.doc_idx[-1] != num_sequences:
+            raise DataError(
+                f"{index_file} has a corrupt document index (it must start at 0 and end at {num_sequences}); "
+                "regenerate it with tools/preprocess_data.py."
+            )
+
+        data_file = bin_path(prefix)
+        expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+        actual = os.path.getsize(data_file)
+        if actual != expected:
+            raise DataError(
+                f"{data_file} has {actual} bytes but {index_file} describes {expected}; the pair does not "
+                "belong together or one is truncated, so regenerate both with tools/preprocess_data.py."
+            )
+        if actual == 0:
+            raise DataError(f"{data_file} holds no tokens (every sequence is empty); preprocess a non-empty corpus.")
+        self._bin = np.memmap(data_file, mode="r", dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence `idx` (to its end when length is None)."""
+        size = int(self.sizes[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) are outside sequence {idx} of {size} tokens")
+        start = int(self.pointers[idx]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return self.get(idx)
+
+    # Pickle by path (DataLoader workers started with spawn) rather than copying the mapped bytes.
+    def __getstate__(self) -> str:
+        return self.path_prefix
+
+    def __setstate__(self, path_prefix: str) -> None:
+        self.path_prefix = path_prefix
+        self._open()

@@ -1,0 +1,121 @@
+"""Train a SentencePiece tokenizer on plain-text or JSON-lines files (tools/train_tokenizer.py).
+
+Plain text gives one sentence per non-empty line; .jsonl/.json gives the --json-keys fields of
+each line. Sentences are streamed to SentencePiece, so the corpus never has to fit in a list.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+from tqdm import tqdm
+
+from megatron.errors import DataError, UserError
+
+_JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def _read_sentences(path: str, json_keys: list[str]) -> Iterator[str]:
+    is_json = path.endswith(_JSON_SUFFIXES)
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(tqdm(f, desc=os.path.basename(path), unit=" lines"), start=1):
+            if not line.strip():
+                continue
+            if not is_json:
+                yield line.rstrip("\n")
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path} line {line_number} is not valid JSON ({e.msg}); fix the line or pass a plain-text file."
+                ) from e
+            for key in json_keys:
+                if not isinstance(row, dict) or key not in row:
+                    raise DataError(f"{path} line {line_number} has no {key!r} field; pass the right --json-keys.")
+                if row[key]:
+                    yield row[key]
+
+
+def train_tokenizer(
+    inputs: list[str],
+    vocab_size: int,
+    model_prefix: str,
+    model_type: str = "bpe",
+    json_keys: list[str] | None = None,
+    character_coverage: float = 0.9995,
+    max_sentence_length: int = 4192,
+) -> str:
+    """Train and write MODEL_PREFIX.model / .vocab; return the .model path."""
+    import sentencepiece
+
+    missing = [p for p in inputs if not os.path.isfile(p)]
+    if missing:
+        raise DataError(f"--input {missing[0]} does not exist; pass existing text or .jsonl files.")
+    keys = json_keys or ["text"]
+    sentences_seen = 0
+
+    def sentences() -> Iterator[str]:
+        nonlocal sentences_seen
+        for path in inputs:
+            for sentence in _read_sentences(path, keys):
+                sentences_seen += 1
+                yield sentence
+
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=sentences(),
+            model_prefix=model_prefix,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            max_sentence_length=max_sentence_length,
+            byte_fallback=model_type == "bpe",  # unseen characters become bytes instead of <unk>
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,  # the end-of-document token SentencePieceTokenizer needs
+            pad_id=-1,
+        )
+    except RuntimeError as e:
+        if sentences_seen == 0:
+            raise DataError(f"no text found in {', '.join(inputs)} (keys {keys}); pass a non-empty corpus.") from e
+        raise DataError(
+            f"SentencePiece could not train on {', '.join(inputs)} ({str(e).rstrip('.')}); "
+            "adjust --vocab-size or the corpus."
+        ) from e
+    return model_prefix + ".model"
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a SentencePiece tokenizer for tools/preprocess_data.py.")
+    parser.add_argument(
+        "--input", nargs="+", required=True, help="plain-text files (one sentence per line) or .jsonl files"
+    )
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields read from .jsonl lines")
+    parser.add_argument("--character-coverage", type=float, default=0.9995)
+    parser.add_argument("--max-sentence-length", type=int, default=4192, help="longer sentences (in bytes) are skipped")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    try:
+        path = train_tokenizer(
+            args.input,
+            args.vocab_size,
+            args.model_prefix,
+            args.model_type,
+            args.json_keys,
+            args.character_coverage,
+            args.max_sentence_length,
+        )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(f"wrote {path}")

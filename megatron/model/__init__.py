@@ -1,0 +1,6 @@
+"""GPT model: embeddings, transformer blocks and the language-model head."""
+
+from megatron.model.config import GPTConfig
+from megatron.model.gpt import GPTModel
+
+__all__ = ["GPTConfig", "GPTModel"]

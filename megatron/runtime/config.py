@@ -1,0 +1,104 @@
+"""Runtime config in DeepSpeed's JSON schema (the keys supported so far), validated by pydantic.
+
+Unknown keys are errors that suggest the nearest known key; the three batch sizes are resolved
+against the data-parallel size (any two give the third).
+"""
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from megatron.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerConfig(_Section):
+    type: Literal["Adam", "AdamW"] = "AdamW"
+    params: dict[str, Any] = {}
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    loss_scale: float = 0.0  # 0 means dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+class RuntimeConfig(_Section):
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    optimizer: OptimizerConfig = OptimizerConfig()
+    fp16: FP16Config = FP16Config()
+    bf16: BF16Config = BF16Config()
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+
+
+def _explain(error: ValidationError, source: str) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        section: type[BaseModel] = RuntimeConfig
+        for part in first["loc"][:-1]:
+            section = section.model_fields[str(part)].annotation
+        close = difflib.get_close_matches(str(first["loc"][-1]), section.model_fields, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "; remove it"
+        return f"unknown key {where!r} in {source}{hint}"
+    return f"bad value for {where!r} in {source}: {first['msg']}"
+
+
+def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> RuntimeConfig:
+    """Validate a DeepSpeed-style config (a dict or a JSON file) and resolve its batch sizes."""
+    source = "the runtime config"
+    if not isinstance(config, dict):
+        source = str(config)
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read the runtime config {source}: {exc}") from None
+    try:
+        parsed = RuntimeConfig.model_validate(config)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+    return resolve_batch_sizes(parsed, dp_size)
+
+
+def resolve_batch_sizes(config: RuntimeConfig, dp_size: int) -> RuntimeConfig:
+    """train_batch_size = micro batch x accumulation steps x data-parallel size."""
+    train, micro, accum = (
+        config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
+    )
+    if micro is None and accum is None:
+        accum = 1
+    if train is None:
+        if micro is None:
+            raise ConfigError("set train_micro_batch_size_per_gpu or train_batch_size in the runtime config")
+        train = micro * (accum or 1) * dp_size
+    if micro is None:
+        micro = train // (accum * dp_size)
+    if accum is None:
+        accum = train // (micro * dp_size)
+    if micro <= 0 or accum <= 0 or train != micro * accum * dp_size:
+        raise ConfigError(
+            f"train_batch_size {train} is not train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accum} x data-parallel size {dp_size}; "
+            "make the global batch a multiple of micro batch x data-parallel size"
+        )
+    return config.model_copy(update={
+        "train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+    })

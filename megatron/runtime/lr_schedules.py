@@ -1,0 +1,73 @@
+"""Learning-rate schedules. `AnnealingLR` is Megatron's: linear warmup from 0, then constant,
+linear or cosine decay to min_lr. Steps are counted in whatever unit the caller chooses
+(iterations, samples or tokens) through `increment`, as Megatron counts samples or tokens.
+"""
+
+import math
+from typing import Any
+
+import torch
+
+from megatron.errors import ConfigError
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class AnnealingLR:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: int,
+        decay_steps: int,
+        decay_style: str,
+        increment: int = 1,
+    ) -> None:
+        if decay_style not in DECAY_STYLES:
+            raise ConfigError(f"unknown --lr-decay-style {decay_style!r}; use one of {', '.join(DECAY_STYLES)}")
+        if decay_style != "constant" and decay_steps <= warmup_steps:
+            raise ConfigError(
+                f"the LR decays over {decay_steps} steps but warms up over {warmup_steps}; "
+                "make the decay length longer than the warmup"
+            )
+        if not 0.0 <= min_lr <= max_lr:
+            raise ConfigError(f"--min-lr {min_lr} must be between 0 and --lr {max_lr}")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = max_lr, min_lr
+        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
+        self.decay_style = decay_style
+        self.increment = increment
+        self.num_steps = 0
+        self._apply()
+
+    def get_lr(self) -> float:
+        steps = self.num_steps
+        if self.warmup_steps > 0 and steps <= self.warmup_steps:
+            return self.max_lr * steps / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if steps > self.decay_steps:
+            return self.min_lr
+        ratio = (steps - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _apply(self) -> None:
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.num_steps += self.increment
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_steps = int(state["num_steps"])
+        self._apply()

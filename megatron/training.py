@@ -1,0 +1,237 @@
+"""The pretraining loop: build tokenizer, model, engine and data from one `PretrainConfig`,
+then train, evaluate, log and checkpoint, Megatron-style."""
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.arguments import PretrainConfig
+from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.data.gpt_dataset import build_train_valid_test_datasets
+from megatron.data.loader import build_pretraining_loader
+from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
+from megatron.errors import DataError
+from megatron.model import GPTModel
+from megatron.parallel import ParallelGrid
+from megatron.runtime.engine import Engine, build_optimizer, initialize
+from megatron.runtime.lr_schedules import AnnealingLR
+from megatron.training_log import TrainingLogger
+
+
+@dataclass
+class TrainResult:
+    """What a run did, for callers and tests: per-iteration losses and validation losses."""
+
+    iteration: int = 0
+    losses: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    test_loss: float | None = None
+    checkpoint: str | None = None
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Split seq+1 tokens into inputs and shifted labels, with the loss mask."""
+    if int(text.max()) >= vocab_size:
+        raise DataError(
+            f"the data holds token id {int(text.max())} but the model's vocabulary has {vocab_size} entries; "
+            "preprocess the data with the same tokenizer flags as training"
+        )
+    text = text.to(device, non_blocking=True)
+    tokens, labels = text[:, :-1], text[:, 1:]
+    loss_mask = (tokens != eod).float() if eod_mask_loss else torch.ones_like(labels, dtype=torch.float32)
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+
+
+def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    losses_BS = engine(batch["tokens"], labels_BS=batch["labels"])
+    mask = batch["loss_mask"]
+    return (losses_BS * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class Trainer:
+    def __init__(self, config: PretrainConfig, grid: ParallelGrid) -> None:
+        self.config = config
+        self.grid = grid
+        self.log = TrainingLogger(config.logging.tensorboard_dir, enabled=grid.is_first_rank)
+        set_seed(config.training.seed)
+        data = config.data
+        self.tokenizer: Tokenizer = build_tokenizer(
+            data.tokenizer_type, tokenizer_model=data.tokenizer_model, vocab_file=data.vocab_file,
+            merge_file=data.merge_file, vocab_size=data.vocab_size,
+        )
+        vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by)
+        self.model_config = replace(config.model, vocab_size=vocab)
+        model = GPTModel(self.model_config).to(grid.device)
+        t = config.training
+        runtime = config.runtime_config(grid.dp_size)
+        optimizer = build_optimizer(model, runtime)
+        scheduler = AnnealingLR(
+            optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
+            decay_steps=t.lr_decay_tokens, decay_style=t.lr_decay_style, increment=t.tokens_per_iteration,
+        )
+        self.engine = initialize(model, runtime, grid, optimizer=optimizer, lr_scheduler=scheduler)
+        n_params = sum(p.numel() for p in model.parameters())
+        self.log.info(f" > GPT model: {n_params:,} parameters, padded vocabulary {vocab} "
+                      f"(tokenizer {self.tokenizer.vocab_size}), data-parallel size {grid.dp_size}")
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.saved_iteration: int | None = None
+        ckpt = config.checkpoint
+        if ckpt.load:
+            client = load_checkpoint(self.engine, ckpt.load, grid, load_optim=ckpt.load_optim, load_rng=ckpt.load_rng)
+            if client is not None:
+                self.iteration = self.saved_iteration = client["iteration"]
+                self.consumed_samples = client["consumed_samples"]
+        self.train_data, self.valid_data, self.test_data = self._build_datasets()
+
+    def _build_datasets(self) -> tuple[Any, Any, Any]:
+        """The first rank builds (and caches) the index arrays; the others then load them."""
+        t, d = self.config.training, self.config.data
+        eval_samples = self.config.logging.eval_iters * t.global_batch_size
+        args = (
+            list(d.data_path) if d.data_path else None, d.split,
+            (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seq_length, t.seed,
+        )
+        paths = {
+            "train_data_prefix": list(d.train_data_path) if d.train_data_path else None,
+            "valid_data_prefix": list(d.valid_data_path) if d.valid_data_path else None,
+            "test_data_prefix": list(d.test_data_path) if d.test_data_path else None,
+        }
+        if self.grid.is_first_rank:
+            datasets = build_train_valid_test_datasets(*args, **paths)
+        self.grid.barrier()
+        if not self.grid.is_first_rank:
+            datasets = build_train_valid_test_datasets(*args, **paths)
+        if datasets[0] is None:
+            raise DataError("the training split is empty; give more data or a --split with a non-zero first part")
+        return datasets
+
+    def _loader(self, dataset: Any, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
+        loader = build_pretraining_loader(
+            dataset, consumed_samples, self.config.training.micro_batch_size,
+            self.grid.dp_rank, self.grid.dp_size, num_workers=self.config.data.num_workers,
+        )
+        return iter(loader)
+
+    def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return gpt_batch(next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss,
+                         self.model_config.vocab_size, self.grid.device)
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.grid.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.grid.dp_group)
+            value /= self.grid.dp_size
+        return float(value)
+
+    def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """One global batch: every micro-batch forward + backward, then the engine's step."""
+        self.engine.module.train()
+        total = torch.zeros((), device=self.grid.device)
+        for _ in range(self.engine.gradient_accumulation_steps):
+            loss = lm_loss(self.engine, self._batch(data_iter))
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach()
+        return total / self.engine.gradient_accumulation_steps
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Any) -> float:
+        """Mean LM loss over the first --eval-iters global batches of `dataset`, so every
+        evaluation of a run sees the same tokens and the curve is comparable."""
+        self.engine.module.eval()
+        data_iter = self._loader(dataset, 0)
+        total = torch.zeros((), device=self.grid.device)
+        steps = self.config.logging.eval_iters * self.engine.gradient_accumulation_steps
+        for _ in range(steps):
+            total += lm_loss(self.engine, self._batch(data_iter))
+        self.engine.module.train()
+        return self._dp_mean(total / steps)
+
+    def _save(self, result: TrainResult) -> None:
+        client = {
+            "iteration": self.iteration, "consumed_samples": self.consumed_samples,
+            "model_config": self.model_config.__dict__, "flags": self.config.flags,
+        }
+        path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client)
+        result.checkpoint = str(path)
+        self.saved_iteration = self.iteration
+        self.log.info(f" > saved checkpoint at iteration {self.iteration} to {path}")
+
+    def _validate(self, result: TrainResult) -> None:
+        if self.valid_data is not None:
+            loss = self.evaluate(self.valid_data)
+            result.validation.append((self.iteration, loss))
+            self.log.evaluation_line("validation", self.iteration, loss)
+
+    def train(self) -> TrainResult:
+        cfg, t = self.config, self.config.training
+        result = TrainResult(iteration=self.iteration)
+        if cfg.logging.eval_at_start and self.iteration == 0:
+            self._validate(result)
+        data_iter = self._loader(self.train_data, self.consumed_samples)
+        flops_per_iteration = self.model_config.flops_per_token(t.seq_length) * t.tokens_per_iteration
+        losses: list[torch.Tensor] = []
+        interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
+        while self.iteration < t.train_iters:
+            losses.append(self.train_step(data_iter))
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
+                if self.grid.device.type == "cuda":
+                    torch.cuda.synchronize()
+                done = (self.iteration - 1) % cfg.logging.log_interval + 1
+                seconds = (time.perf_counter() - interval_start) / done
+                self.log.training_line(self.iteration, t.train_iters, {
+                    "consumed_samples": self.consumed_samples,
+                    "consumed_tokens": self.consumed_samples * t.seq_length,
+                    "iteration_ms": 1000.0 * seconds, "lr": self.engine.get_lr()[0],
+                    "global_batch_size": t.global_batch_size,
+                    "lm_loss": self._dp_mean(torch.stack(losses[-done:]).mean()),
+                    "loss_scale": self.engine.loss_scaler.scale if t.precision == "fp16" else None,
+                    "grad_norm": self.engine.last_grad_norm,
+                    "skipped": self.engine.skipped_steps - interval_skipped,
+                    "tokens_per_second": t.tokens_per_iteration / seconds,
+                    "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
+                })
+                interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
+            if self.iteration % cfg.logging.eval_interval == 0:
+                self._validate(result)
+            if cfg.checkpoint.save and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+                self._save(result)
+        result.iteration = self.iteration
+        result.losses = [float(loss) for loss in losses]
+        if t.train_iters % cfg.logging.eval_interval:
+            self._validate(result)
+        if self.test_data is not None:
+            result.test_loss = self.evaluate(self.test_data)
+            self.log.evaluation_line("test", self.iteration, result.test_loss)
+        if cfg.checkpoint.save and self.saved_iteration != self.iteration:
+            self._save(result)
+        self._summary(result)
+        self.log.close()
+        return result
+
+    def _summary(self, result: TrainResult) -> None:
+        if len(result.validation) >= 2:
+            (first_it, first), (last_it, last) = result.validation[0], result.validation[-1]
+            self.log.info(f" > validation loss {first:.4f} at iteration {first_it} -> {last:.4f} at iteration {last_it}")
+        if result.checkpoint:
+            self.log.info(f" > checkpoint: {result.checkpoint}")
+        if self.config.logging.tensorboard_dir:
+            self.log.info(f" > TensorBoard logs: {self.config.logging.tensorboard_dir}")
+
+
+def pretrain(config: PretrainConfig, grid: ParallelGrid) -> TrainResult:
+    return Trainer(config, grid).train()

@@ -1,0 +1,65 @@
+import pytest
+
+from megatron.arguments import parse_args, with_data_parallel_size
+from megatron.errors import ConfigError
+
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --lr 1e-3 --data-path corpus"
+).split()
+
+
+def parse(extra: str):
+    return parse_args(BASE + extra.split())
+
+
+def test_training_length_in_iterations_samples_or_tokens():
+    assert parse("--train-iters 10 --global-batch-size 8").training.train_iters == 10
+    assert parse("--train-samples 81 --global-batch-size 8").training.train_iters == 11
+    assert parse("--train-tokens 1280 --global-batch-size 8").training.train_iters == 10
+
+
+def test_lr_schedule_lengths_convert_to_tokens():
+    config = parse("--train-iters 10 --global-batch-size 8 --lr-warmup-iters 2 --lr-decay-samples 40")
+    assert config.training.lr_warmup_tokens == 2 * 8 * 16
+    assert config.training.lr_decay_tokens == 40 * 16
+    assert parse("--train-iters 10 --global-batch-size 8").training.lr_decay_tokens == 10 * 8 * 16
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--train-iters 10 --train-samples 5", "--train-iters and --train-samples were both given"),
+        ("", "give the training length"),
+        ("--train-iters 10 --bf16 --fp16", "choose one precision"),
+        ("--train-iters 10 --max-position-embeddings 8", "exceeds --max-position-embeddings"),
+        ("--train-iters 0", "--train-iters must be positive"),
+        ("--train-iters 10 --lr-warmup-iters 1 --lr-warmup-tokens 5", "use only one"),
+    ],
+)
+def test_contradictions_stop_with_a_clear_message(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(extra)
+
+
+def test_global_batch_must_divide_into_micro_batches_and_ranks():
+    config = parse("--train-iters 10 --global-batch-size 6")
+    with_data_parallel_size(config, 1)
+    with pytest.raises(ConfigError, match="not train_micro_batch_size_per_gpu 2 x .* data-parallel size 2"):
+        with_data_parallel_size(config, 2)
+
+
+def test_global_batch_defaults_to_micro_batch_times_data_parallel_size():
+    config = with_data_parallel_size(parse("--train-samples 64"), 4)
+    assert config.training.global_batch_size == 8 and config.training.train_iters == 8
+
+
+def test_unknown_flag_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse("--train-iters 10 --num-layer 3")
+    assert "unrecognized arguments: --num-layer" in capsys.readouterr().err
+
+
+def test_missing_data_is_rejected():
+    with pytest.raises(ConfigError, match="no training data"):
+        parse_args([a for a in BASE if a not in ("--data-path", "corpus")] + ["--train-iters", "1"])

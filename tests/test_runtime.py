@@ -1,0 +1,141 @@
+import math
+
+import pytest
+import torch
+
+from megatron.errors import ConfigError
+from megatron.parallel import ParallelGrid
+from megatron.runtime import initialize, load_runtime_config
+from megatron.runtime.loss_scaler import DynamicLossScaler, LossScaleError
+from megatron.runtime.lr_schedules import AnnealingLR
+
+SINGLE = ParallelGrid(1, 0, 1, 0, None, torch.device("cpu"))
+
+
+def small_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def run_steps(micro_batch: int, accumulation: int, clip: float = 0.0, steps: int = 3) -> list[torch.Tensor]:
+    model = small_model()
+    engine = initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": accumulation,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "gradient_clipping": clip,
+        },
+        SINGLE,
+    )
+    data = torch.randn(steps * 4, 8, generator=torch.Generator().manual_seed(1))
+    target = data.sum(dim=1, keepdim=True)
+    for step in range(steps):
+        for micro in range(accumulation):
+            start = step * 4 + micro * micro_batch
+            x, y = data[start : start + micro_batch], target[start : start + micro_batch]
+            loss = ((engine(x) - y) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+    assert engine.global_steps == steps
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_gradient_accumulation_4x1_equals_1x4():
+    for a, b in zip(run_steps(4, 1), run_steps(1, 4)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    model = small_model()
+    reference = small_model()
+    engine = initialize(
+        model, {"train_batch_size": 4, "gradient_clipping": 0.1, "optimizer": {"params": {"lr": 0.1}}}, SINGLE
+    )
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1) * 100
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+    ((reference(x) - y) ** 2).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    optimizer.step()
+    assert engine.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    model = small_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = initialize(
+        model,
+        {
+            "train_batch_size": 2,
+            "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+            "optimizer": {"params": {"lr": 0.1}},
+        },
+        SINGLE,
+    )
+    engine.backward(engine(torch.full((2, 8), float("inf"))).sum())
+    engine.step()
+    assert engine.last_step_skipped and engine.skipped_steps == 1
+    assert engine.loss_scaler.scale == 2.0**7
+    for a, b in zip(before, model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_dynamic_loss_scaler_follows_deepspeed_rules():
+    scaler = DynamicLossScaler(init_scale=2.0**4, scale_window=3, hysteresis=2, min_scale=2.0)
+    scaler.update(True)  # hysteresis absorbs the first overflow
+    assert scaler.scale == 16
+    scaler.update(True)
+    assert scaler.scale == 8
+    for _ in range(2):
+        scaler.update(False)
+    assert scaler.scale == 8
+    scaler.update(False)  # third clean step since the overflow doubles the scale
+    assert scaler.scale == 16
+    scaler = DynamicLossScaler(init_scale=2.0, hysteresis=1, min_scale=2.0)
+    with pytest.raises(LossScaleError, match="minimum loss scale"):
+        scaler.update(True)
+
+
+def lrs(style: str, warmup: int, decay: int, steps: int, increment: int = 1) -> list[float]:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = AnnealingLR(
+        optimizer,
+        max_lr=1.0,
+        min_lr=0.1,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        decay_style=style,
+        increment=increment,
+    )
+    values = [optimizer.param_groups[0]["lr"]]
+    for _ in range(steps):
+        schedule.step()
+        values.append(optimizer.param_groups[0]["lr"])
+    return values
+
+
+def test_megatron_annealing_warmup_then_decay():
+    assert lrs("linear", 2, 6, 7) == pytest.approx([0.0, 0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+    cosine = lrs("cosine", 0, 4, 4)
+    assert cosine == pytest.approx([0.1 + 0.9 * 0.5 * (math.cos(math.pi * s / 4) + 1) for s in range(5)])
+    assert lrs("constant", 1, 0, 3) == pytest.approx([0.0, 1.0, 1.0, 1.0])
+    assert lrs("linear", 200, 600, 7, increment=100) == pytest.approx(lrs("linear", 2, 6, 7))
+
+
+def test_runtime_config_resolves_batch_sizes_and_rejects_contradictions():
+    config = load_runtime_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, dp_size=2)
+    assert config.gradient_accumulation_steps == 4
+    with pytest.raises(ConfigError, match="train_batch_size 30"):
+        load_runtime_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, dp_size=2)
+
+
+def test_unknown_runtime_key_suggests_the_nearest():
+    with pytest.raises(ConfigError, match="did you mean 'gradient_clipping'"):
+        load_runtime_config({"train_batch_size": 4, "gradient_cliping": 1.0}, dp_size=1)
+    with pytest.raises(ConfigError, match="fp16.initial_scale_powr.*'initial_scale_power'"):
+        load_runtime_config({"train_batch_size": 4, "fp16": {"initial_scale_powr": 8}}, dp_size=1)

@@ -1,0 +1,125 @@
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.checkpointing import LATEST_FILE, latest_iteration
+from megatron.errors import CheckpointError
+from megatron.parallel import ParallelGrid, build_parallel_grid
+from megatron.runtime import state_io
+from megatron.training import Trainer
+from tests.dist_utils import run_distributed
+from tests.training_fixtures import tiny_config, write_corpus
+
+SINGLE = ParallelGrid(1, 0, 1, 0, None, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
+    config = tiny_config(corpus, train_iters=60, eval_interval=30, eval_at_start=True, lr=1e-2, min_lr=1e-3,
+                         tensorboard_dir=str(tmp_path / "tb"))
+    result = Trainer(config, SINGLE).train()
+    (_, first), *_, (_, last) = result.validation
+    # ln(60) = 4.09 is the loss of guessing uniformly among the used tokens: the model must beat it
+    assert first > 4.5 and last < 3.6, result.validation
+    out = capsys.readouterr().out
+    assert "iteration       60/      60 | consumed samples:          240 | consumed tokens:           3840" in out
+    for field in ("lm loss:", "grad norm:", "learning rate:", "tokens per second:", "TFLOP/s:",
+                  "validation loss at iteration 60 | lm loss value:", "lm loss PPL:"):
+        assert field in out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"lm loss", "learning-rate", "grad-norm", "lm loss validation"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("lm loss")] == list(range(5, 61, 5))
+
+
+def test_checkpoint_layout_is_safetensors_and_json(corpus, tmp_path):
+    save = tmp_path / "ckpt"
+    Trainer(tiny_config(corpus, train_iters=6, save=str(save), save_interval=3), SINGLE).train()
+    assert latest_iteration(str(save)) == 6
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000006", LATEST_FILE]
+    files = sorted(p.name for p in (save / "iter_0000006").iterdir())
+    assert files == ["engine.json", "model.safetensors", "optimizer.safetensors", "rng_rank00000.safetensors"]
+    meta = json.loads((save / "iter_0000006" / "engine.json").read_text())
+    assert meta["client_state"]["iteration"] == 6 and meta["client_state"]["consumed_samples"] == 24
+    assert "exp_avg/word_embeddings.weight" in load_file(str(save / "iter_0000006" / "optimizer.safetensors"))
+
+
+def test_resume_equals_uninterrupted_run_bit_for_bit(corpus, tmp_path):
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full = Trainer(tiny_config(corpus, train_iters=20, save=str(full_dir), save_interval=10), SINGLE)
+    full_result = full.train()
+    resumed_dir.mkdir()
+    shutil.copytree(full_dir / "iter_0000010", resumed_dir / "iter_0000010")
+    (resumed_dir / LATEST_FILE).write_text("10\n")
+    torch.manual_seed(999)  # the resumed run must not depend on the RNG state before loading
+    resumed = Trainer(tiny_config(corpus, train_iters=20, load=str(resumed_dir), save=str(resumed_dir)), SINGLE)
+    assert resumed.iteration == 10 and resumed.consumed_samples == 40
+    resumed_result = resumed.train()
+    assert resumed_result.losses == full_result.losses[10:]
+    for a, b in zip(full.engine.module.parameters(), resumed.engine.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_usable(corpus, tmp_path, monkeypatch):
+    save = tmp_path / "ckpt"
+    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(save), save_interval=2), SINGLE)
+    real_save = state_io.save_tensors
+    calls = {"n": 0}
+
+    def failing_save(path, tensors, metadata=None):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the first checkpoint writes model + optimizer; the second dies
+            raise OSError("disk full")
+        real_save(path, tensors, metadata)
+
+    monkeypatch.setattr("megatron.runtime.engine.save_tensors", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert latest_iteration(str(save)) == 2
+    assert not (save / "iter_0000004").exists()
+    monkeypatch.undo()
+    reloaded = Trainer(tiny_config(corpus, train_iters=4, load=str(save)), SINGLE)
+    assert reloaded.iteration == 2
+
+
+def test_loading_a_different_model_is_a_clear_error(corpus, tmp_path):
+    save = tmp_path / "ckpt"
+    Trainer(tiny_config(corpus, train_iters=3, save=str(save)), SINGLE).train()
+    with pytest.raises(CheckpointError, match="has shape .* use the same model flags"):
+        Trainer(tiny_config(corpus, train_iters=3, hidden_size=64, load=str(save)), SINGLE)
+
+
+def _train_and_return_parameters(corpus: str, dp_size: int) -> dict[str, torch.Tensor]:
+    grid = build_parallel_grid(torch.device("cpu"))
+    config = tiny_config(
+        corpus,
+        dp_size=dp_size,
+        train_iters=6,
+        micro_batch_size=1,
+        global_batch_size=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    trainer = Trainer(config, grid)
+    result = trainer.train()
+    params = {name: p.detach().clone() for name, p in trainer.engine.module.named_parameters()}
+    params["validation"] = torch.tensor([loss for _, loss in result.validation], dtype=torch.float64)
+    return params
+
+
+def test_two_data_parallel_ranks_equal_one(corpus):
+    single = _train_and_return_parameters(corpus, 1)
+    ranks = run_distributed(_train_and_return_parameters, 2, corpus, 2)
+    for name, value in single.items():
+        torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5)

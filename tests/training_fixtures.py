@@ -1,0 +1,52 @@
+"""A tiny indexed corpus and flag set for end-to-end training tests."""
+
+from pathlib import Path
+
+import numpy as np
+
+from megatron.arguments import PretrainConfig, parse_args, with_data_parallel_size
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+VOCAB = 60
+
+
+def write_corpus(folder: Path, documents: int = 200, seed: int = 0) -> str:
+    """Documents drawn from a fixed random bigram table, so a model can learn them quickly."""
+    rng = np.random.default_rng(seed)
+    successors = rng.integers(0, VOCAB, size=(VOCAB, 3))
+    prefix = str(folder / "corpus_text_document")
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", np.dtype(np.uint16), vocab_size=VOCAB + 1)
+    for _ in range(documents):
+        token = int(rng.integers(VOCAB))
+        tokens = [token]
+        for _ in range(int(rng.integers(20, 60))):
+            token = int(successors[token, rng.integers(3)])
+            tokens.append(token)
+        builder.add_item(np.array(tokens + [VOCAB]))  # NullTokenizer's eod is VOCAB
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
+    flags: dict[str, object] = {
+        "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16,
+        "micro-batch-size": 2, "global-batch-size": 4, "train-iters": 20, "lr": 3e-3,
+        "lr-warmup-iters": 2, "lr-decay-style": "cosine", "min-lr": 3e-4,
+        "tokenizer-type": "NullTokenizer", "vocab-size": VOCAB, "data-path": data_prefix,
+        "split": "90,10,0", "log-interval": 5, "eval-interval": 10, "eval-iters": 2,
+        "num-workers": 0, "hidden-dropout": 0.1, "attention-dropout": 0.1,
+    }
+    flags.update({key.replace("_", "-"): value for key, value in overrides.items()})
+    argv: list[str] = []
+    for key, value in flags.items():
+        if value is False or value is None:
+            continue
+        argv.append(f"--{key}")
+        if value is not True:
+            argv.append(str(value))
+    return argv
+
+
+def tiny_config(data_prefix: str, dp_size: int = 1, **overrides: object) -> PretrainConfig:
+    return with_data_parallel_size(parse_args(tiny_flags(data_prefix, **overrides)), dp_size)
