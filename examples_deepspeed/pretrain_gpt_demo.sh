@@ -24,7 +24,7 @@ echo "== 4/4 training"
 rm -rf "$DEMO_DIR/checkpoints" "$DEMO_DIR/tensorboard"
 $PYTHON pretrain_gpt.py \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
-    --micro-batch-size 8 --global-batch-size 16 --train-iters ${DEMO_ITERS:-150} \
+    --micro-batch-size 8 --global-batch-size 16 --train-iters ${DEMO_ITERS:-200} \
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO_DIR/tokenizer.model" \

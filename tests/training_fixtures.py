@@ -5,24 +5,24 @@ from pathlib import Path
 import numpy as np
 
 from megatron.arguments import PretrainConfig, parse_args, with_data_parallel_size
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 
 VOCAB = 60
 
 
-def write_corpus(folder: Path, documents: int = 200, seed: int = 0) -> str:
+def write_corpus(folder: Path, documents: int = 200, seed: int = 0, vocab: int = VOCAB, length: int = 60) -> str:
     """Documents drawn from a fixed random bigram table, so a model can learn them quickly."""
     rng = np.random.default_rng(seed)
-    successors = rng.integers(0, VOCAB, size=(VOCAB, 3))
+    successors = rng.integers(0, vocab, size=(vocab, 3))
     prefix = str(folder / "corpus_text_document")
-    builder = MMapIndexedDatasetBuilder(prefix + ".bin", np.dtype(np.uint16), vocab_size=VOCAB + 1)
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", best_fitting_dtype(vocab + 1), vocab_size=vocab + 1)
     for _ in range(documents):
-        token = int(rng.integers(VOCAB))
+        token = int(rng.integers(vocab))
         tokens = [token]
-        for _ in range(int(rng.integers(20, 60))):
+        for _ in range(int(rng.integers(length // 3, length))):
             token = int(successors[token, rng.integers(3)])
             tokens.append(token)
-        builder.add_item(np.array(tokens + [VOCAB]))  # NullTokenizer's eod is VOCAB
+        builder.add_item(np.array(tokens + [vocab]))  # NullTokenizer's eod is the vocabulary size
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix

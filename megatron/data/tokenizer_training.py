@@ -1,7 +1,8 @@
 """Train a SentencePiece tokenizer on plain-text or JSON-lines files (tools/train_tokenizer.py).
 
-Plain text gives one sentence per non-empty line; .jsonl/.json gives the --json-keys fields of
-each line. Sentences are streamed to SentencePiece, so the corpus never has to fit in a list.
+Plain text gives one sentence per non-empty line; .jsonl/.json gives the non-empty lines of the
+--json-keys fields of each record (whole documents would exceed SentencePiece's sentence length
+and be skipped). Sentences are streamed to SentencePiece, so the corpus never has to fit in a list.
 """
 
 import argparse
@@ -35,8 +36,7 @@ def _read_sentences(path: str, json_keys: list[str]) -> Iterator[str]:
             for key in json_keys:
                 if not isinstance(row, dict) or key not in row:
                     raise DataError(f"{path} line {line_number} has no {key!r} field; pass the right --json-keys.")
-                if row[key]:
-                    yield row[key]
+                yield from (part for part in str(row[key] or "").splitlines() if part.strip())
 
 
 def train_tokenizer(
@@ -78,6 +78,7 @@ def train_tokenizer(
             bos_id=1,
             eos_id=2,  # the end-of-document token SentencePieceTokenizer needs
             pad_id=-1,
+            minloglevel=1,  # its per-merge log drowns the progress bar
         )
     except RuntimeError as e:
         if sentences_seen == 0:

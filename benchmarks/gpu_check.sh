@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU check, run as is on a lent GPU machine (under 8 minutes): the test suite's CUDA paths,
+# then short bf16 and fp16 training runs of a ~125M GPT with tokens/s and MFU.
+# Results go to ${OUT:-benchmarks/results}; record them in docs/benchmarks.md.
+#
+# The GPU machine has its own python3 with torch and cannot reach a registry. If a dependency
+# is missing there (pydantic was, in 2026-11), carry wheels: on the development machine run
+#   pip download pydantic --only-binary=:all: --python-version 3.12 -d benchmarks/wheels
+# and pass benchmarks/wheels in the device tool's carry list.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+for module in pydantic safetensors sentencepiece tensorboard tqdm; do
+    if ! $PY -c "import $module" 2>/dev/null; then
+        $PY -m pip install --quiet --no-index --find-links benchmarks/wheels "$module"
+    fi
+done
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+echo "== CUDA paths of the test suite"
+timeout 240 $PY -m pytest -q -m cuda tests 2>&1 | tee "$OUT/gpu_tests.log"
+echo "== 125M training runs"
+timeout 300 $PY -m benchmarks.gpu_train --output "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log"
