@@ -264,6 +264,11 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
     )
+    if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
+        raise ConfigError(
+            f"the LR warmup ({training.lr_warmup_tokens} tokens) is not shorter than its decay "
+            f"({training.lr_decay_tokens} tokens); shorten --lr-warmup-* or lengthen --lr-decay-* or the training"
+        )
     logging = LoggingConfig(
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         eval_at_start=args.eval_at_start, tensorboard_dir=args.tensorboard_dir,
@@ -286,5 +291,10 @@ def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainCon
     if config.flags["global_batch_size"] is None and dp_size > 1:
         flags = {**config.flags, "global_batch_size": config.training.micro_batch_size * dp_size}
         config = config_from_args(argparse.Namespace(**flags))
-    config.runtime_config(dp_size)  # raises when the global batch does not divide
+    t = config.training
+    if t.global_batch_size % (t.micro_batch_size * dp_size):
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp_size}; change one of them"
+        )
     return config

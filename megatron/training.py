@@ -70,6 +70,8 @@ class Trainer:
             data.tokenizer_type, tokenizer_model=data.tokenizer_model, vocab_file=data.vocab_file,
             merge_file=data.merge_file, vocab_size=data.vocab_size,
         )
+        # data first: a bad prefix or corrupt index stops the run before the model is built
+        self.train_data, self.valid_data, self.test_data = self._build_datasets()
         vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by)
         self.model_config = replace(config.model, vocab_size=vocab)
         model = GPTModel(self.model_config).to(grid.device)
@@ -93,7 +95,6 @@ class Trainer:
             if client is not None:
                 self.iteration = self.saved_iteration = client["iteration"]
                 self.consumed_samples = client["consumed_samples"]
-        self.train_data, self.valid_data, self.test_data = self._build_datasets()
 
     def _build_datasets(self) -> tuple[Any, Any, Any]:
         """The first rank builds (and caches) the index arrays; the others then load them."""

@@ -35,6 +35,7 @@ def test_lr_schedule_lengths_convert_to_tokens():
         ("--train-iters 10 --max-position-embeddings 8", "exceeds --max-position-embeddings"),
         ("--train-iters 0", "--train-iters must be positive"),
         ("--train-iters 10 --lr-warmup-iters 1 --lr-warmup-tokens 5", "use only one"),
+    ("--train-iters 10 --lr-warmup-iters 10", r"the LR warmup \(320 tokens\) is not shorter than its decay"),
     ],
 )
 def test_contradictions_stop_with_a_clear_message(extra, message):
@@ -45,7 +46,7 @@ def test_contradictions_stop_with_a_clear_message(extra, message):
 def test_global_batch_must_divide_into_micro_batches_and_ranks():
     config = parse("--train-iters 10 --global-batch-size 6")
     with_data_parallel_size(config, 1)
-    with pytest.raises(ConfigError, match="not train_micro_batch_size_per_gpu 2 x .* data-parallel size 2"):
+    with pytest.raises(ConfigError, match="--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size 2"):
         with_data_parallel_size(config, 2)
 
 
