@@ -25,7 +25,6 @@ setup(
     extras_require={
         "test": ["pytest"],
         "eval": ["lm-eval"],
-        "apex": ["apex"],
     },
     entry_points={
         "console_scripts": [

@@ -34,22 +34,22 @@ def load_optimizer_state(
     tensors: dict[str, torch.Tensor],
     meta: dict[str, Any],
 ) -> None:
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
+    """Rebuild torch's own state-dict form from the name-keyed state and load it, so torch puts
+    each value on the device and dtype its optimizer implementation expects."""
+    current = optimizer.state_dict()
+    if len(meta["param_groups"]) != len(current["param_groups"]):
         raise CheckpointError(
             f"the checkpoint's optimizer has {len(meta['param_groups'])} parameter groups but this "
-            f"run has {len(optimizer.param_groups)}; load with --no-load-optim to start a fresh optimizer"
+            f"run has {len(current['param_groups'])}; load with --no-load-optim to start a fresh optimizer"
         )
-    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-        group.update(saved)
     by_name: dict[str, dict[str, Any]] = {}
     for flat_key, value in [*tensors.items(), *meta["scalars"].items()]:
         key, name = flat_key.split("/", 1)
         by_name.setdefault(name, {})[key] = value
-    for param, name in names.items():
-        if name in by_name:
-            optimizer.state[param] = {
-                k: v.to(param.device) if torch.is_tensor(v) and v.dim() else v for k, v in by_name[name].items()
-            }
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: by_name[names[p]] for index, p in enumerate(params) if names[p] in by_name}
+    groups = [{**saved, "params": group["params"]} for saved, group in zip(meta["param_groups"], current["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
