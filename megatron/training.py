@@ -183,36 +183,36 @@ class Trainer:
             self._validate(result)
         data_iter = self._loader(self.train_data, self.consumed_samples)
         flops_per_iteration = self.model_config.flops_per_token(t.seq_length) * t.tokens_per_iteration
-        losses: list[torch.Tensor] = []
+        interval_losses: list[torch.Tensor] = []  # read back once per log interval: no per-step sync
         interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
         while self.iteration < t.train_iters:
-            losses.append(self.train_step(data_iter))
+            interval_losses.append(self.train_step(data_iter))
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 if self.grid.device.type == "cuda":
                     torch.cuda.synchronize()
-                done = (self.iteration - 1) % cfg.logging.log_interval + 1
-                seconds = (time.perf_counter() - interval_start) / done
+                seconds = (time.perf_counter() - interval_start) / len(interval_losses)
+                result.losses += torch.stack(interval_losses).tolist()
                 self.log.training_line(self.iteration, t.train_iters, {
                     "consumed_samples": self.consumed_samples,
                     "consumed_tokens": self.consumed_samples * t.seq_length,
                     "iteration_ms": 1000.0 * seconds, "lr": self.engine.get_lr()[0],
                     "global_batch_size": t.global_batch_size,
-                    "lm_loss": self._dp_mean(torch.stack(losses[-done:]).mean()),
+                    "lm_loss": self._dp_mean(torch.stack(interval_losses).mean()),
                     "loss_scale": self.engine.loss_scaler.scale if t.precision == "fp16" else None,
                     "grad_norm": self.engine.last_grad_norm,
                     "skipped": self.engine.skipped_steps - interval_skipped,
                     "tokens_per_second": t.tokens_per_iteration / seconds,
                     "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
                 })
+                interval_losses.clear()
                 interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
             if self.iteration % cfg.logging.eval_interval == 0:
                 self._validate(result)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
                 self._save(result)
         result.iteration = self.iteration
-        result.losses = [float(loss) for loss in losses]
         if t.train_iters % cfg.logging.eval_interval:
             self._validate(result)
         if self.test_data is not None:
