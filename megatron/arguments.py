@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.model.config import GPTConfig
+from megatron.model.config import MLP_TYPES, GPTConfig
+from megatron.model.moe import MoEConfig
 from megatron.runtime.config import RuntimeConfig, resolve_batch_sizes
 
 
@@ -53,6 +54,7 @@ class TrainingConfig:
     loss_scale_window: int
     hysteresis: int
     seed: int
+    expert_parallel_size: int
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -128,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--checkpoint-activations", "--recompute-activations", action="store_true", dest="checkpoint_activations")
+
+    g = parser.add_argument_group("mixture of experts (Megatron-DeepSpeed's flags)")
+    g.add_argument("--num-experts", type=int, nargs="+", default=[1],
+                   help="experts per MoE layer: one value, or one per MoE layer (pyramid); 1 = dense")
+    g.add_argument("--expert-interval", type=int, default=2, help="layer n (from 1) is MoE when n %% interval == 0")
+    g.add_argument("--topk", type=int, default=1)
+    g.add_argument("--moe-expert-parallel-size", type=int, default=1)
+    g.add_argument("--moe-loss-coeff", type=float, default=0.01)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="ST-MoE router z-loss weight")
+    g.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-eval-capacity-factor", type=float, default=1.0)
+    g.add_argument("--moe-min-capacity", type=int, default=4)
+    g.add_argument("--disable-moe-token-dropping", action="store_true")
+    g.add_argument("--mlp-type", choices=MLP_TYPES, default="standard", help="residual: PR-MoE")
+    g.add_argument("--moe-noisy-gate-policy", choices=["None", "Jitter", "RSample"], default="None")
+    g.add_argument("--disable-moe-rts", action="store_true", help="keep the first tokens, not random ones")
+    g.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="accepted for Megatron-DeepSpeed recipes; expert parameters are always handled apart")
 
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
@@ -220,7 +241,10 @@ def _tokens(args: argparse.Namespace, kind: str, seq: int, gbs: int, default_tok
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                      "global_batch_size", "train_iters", "train_samples", "train_tokens", "log_interval",
-                     "eval_interval", "save_interval", "make_vocab_size_divisible_by", "lr"])
+                     "eval_interval", "save_interval", "make_vocab_size_divisible_by", "lr",
+                     "moe_expert_parallel_size", "topk"])
+    if any(count < 1 for count in args.num_experts):
+        raise ConfigError(f"--num-experts must be at least 1, got {args.num_experts}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 were both given; choose one precision")
     max_positions = args.max_position_embeddings or args.seq_length
@@ -242,6 +266,16 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
         position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
         rotary_base=args.rotary_base, checkpoint_activations=args.checkpoint_activations,
+        num_experts=tuple(args.num_experts), expert_interval=args.expert_interval, mlp_type=args.mlp_type,
+        moe=MoEConfig(
+            topk=args.topk, train_capacity_factor=args.moe_train_capacity_factor,
+            eval_capacity_factor=args.moe_eval_capacity_factor, min_capacity=args.moe_min_capacity,
+            drop_tokens=not args.disable_moe_token_dropping, use_rts=not args.disable_moe_rts,
+            noisy_gate_policy=None if args.moe_noisy_gate_policy == "None" else args.moe_noisy_gate_policy,
+            sample_second_expert=not args.disable_moe_top2_2nd_expert_sampling,
+            aux_loss_coeff=args.moe_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+            use_residual=args.mlp_type == "residual",
+        ),
     )
     data = DataConfig(
         data_path=tuple(args.data_path) if args.data_path else None,
@@ -263,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
+        expert_parallel_size=args.moe_expert_parallel_size,
     )
     if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
         raise ConfigError(
@@ -287,7 +322,15 @@ def parse_args(argv: list[str] | None = None) -> PretrainConfig:
 
 def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainConfig:
     """Apply Megatron's default global batch (micro batch x data-parallel size) once the world
-    size is known, and check that the global batch divides into micro-batches."""
+    size is known, and check that the global batch divides into micro-batches and that the
+    expert-parallel size divides every MoE layer's expert count (the grid checks the ranks)."""
+    ep = config.training.expert_parallel_size
+    uneven = [count for count in config.model.experts_per_layer if count > 1 and count % ep]
+    if uneven:
+        raise ConfigError(
+            f"{uneven[0]} experts cannot be split over --moe-expert-parallel-size {ep}; "
+            "choose an expert-parallel size that divides every layer's expert count"
+        )
     if config.flags["global_batch_size"] is None and dp_size > 1:
         flags = {**config.flags, "global_batch_size": config.training.micro_batch_size * dp_size}
         config = config_from_args(argparse.Namespace(**flags))

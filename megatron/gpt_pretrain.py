@@ -14,7 +14,7 @@ from megatron.training import TrainResult, pretrain
 def main(argv: list[str] | None = None) -> TrainResult:
     try:
         config = parse_args(argv)
-        grid = build_parallel_grid()
+        grid = build_parallel_grid(ep_size=config.training.expert_parallel_size)
         return pretrain(with_data_parallel_size(config, grid.dp_size), grid)
     except UserError as exc:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -3,7 +3,7 @@ then train, evaluate, log and checkpoint, Megatron-style."""
 
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -17,6 +17,7 @@ from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
 from megatron.errors import DataError
 from megatron.model import GPTModel
+from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid
 from megatron.runtime.engine import Engine, build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
@@ -53,10 +54,11 @@ def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, vocab_size: int
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
-def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    losses_BS = engine(batch["tokens"], labels_BS=batch["labels"])
+def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked-mean cross entropy and the model's MoE router loss (aux + z-loss, weighted)."""
+    losses_BS, router_loss = engine(batch["tokens"], labels_BS=batch["labels"])
     mask = batch["loss_mask"]
-    return (losses_BS * mask).sum() / mask.sum().clamp(min=1.0)
+    return (losses_BS * mask).sum() / mask.sum().clamp(min=1.0), router_loss
 
 
 class Trainer:
@@ -74,7 +76,8 @@ class Trainer:
         self.train_data, self.valid_data, self.test_data = self._build_datasets()
         vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by)
         self.model_config = replace(config.model, vocab_size=vocab)
-        model = GPTModel(self.model_config).to(grid.device)
+        model = GPTModel(self.model_config, ep_group=grid.ep_group).to(grid.device)
+        self.moe_monitor = MoEMonitor(model)
         t = config.training
         runtime = config.runtime_config(grid.dp_size)
         optimizer = build_optimizer(model, runtime)
@@ -84,8 +87,9 @@ class Trainer:
         )
         self.engine = initialize(model, runtime, grid, optimizer=optimizer, lr_scheduler=scheduler)
         n_params = sum(p.numel() for p in model.parameters())
-        self.log.info(f" > GPT model: {n_params:,} parameters, padded vocabulary {vocab} "
-                      f"(tokenizer {self.tokenizer.vocab_size}), data-parallel size {grid.dp_size}")
+        self.log.info(f" > GPT model: {n_params:,} parameters on this rank, padded vocabulary {vocab} "
+                      f"(tokenizer {self.tokenizer.vocab_size}), data-parallel size {grid.dp_size}, "
+                      f"expert-parallel size {grid.ep_size}, experts per layer {self.model_config.experts_per_layer}")
         self.iteration = 0
         self.consumed_samples = 0
         self.saved_iteration: int | None = None
@@ -137,14 +141,16 @@ class Trainer:
         return float(value)
 
     def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """One global batch: every micro-batch forward + backward, then the engine's step."""
+        """One global batch: every micro-batch forward + backward, then the engine's step.
+        Returns the mean [lm loss, moe loss] of its micro-batches."""
         self.engine.module.train()
-        total = torch.zeros((), device=self.grid.device)
+        total = torch.zeros(2, device=self.grid.device)
         for _ in range(self.engine.gradient_accumulation_steps):
-            loss = lm_loss(self.engine, self._batch(data_iter))
-            self.engine.backward(loss)
+            loss, router_loss = lm_loss(self.engine, self._batch(data_iter))
+            self.engine.backward(loss + router_loss)
             self.engine.step()
-            total += loss.detach()
+            self.moe_monitor.accumulate()
+            total += torch.stack([loss.detach(), router_loss.detach()])
         return total / self.engine.gradient_accumulation_steps
 
     @torch.no_grad()
@@ -156,14 +162,14 @@ class Trainer:
         total = torch.zeros((), device=self.grid.device)
         steps = self.config.logging.eval_iters * self.engine.gradient_accumulation_steps
         for _ in range(steps):
-            total += lm_loss(self.engine, self._batch(data_iter))
+            total += lm_loss(self.engine, self._batch(data_iter))[0]
         self.engine.module.train()
         return self._dp_mean(total / steps)
 
     def _save(self, result: TrainResult) -> None:
         client = {
             "iteration": self.iteration, "consumed_samples": self.consumed_samples,
-            "model_config": self.model_config.__dict__, "flags": self.config.flags,
+            "model_config": asdict(self.model_config), "flags": self.config.flags,
         }
         path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client)
         result.checkpoint = str(path)
@@ -193,19 +199,22 @@ class Trainer:
                 if self.grid.device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = (time.perf_counter() - interval_start) / len(interval_losses)
-                result.losses += torch.stack(interval_losses).tolist()
+                interval = torch.stack(interval_losses)
+                result.losses += interval[:, 0].tolist()
+                lm, moe = (self._dp_mean(value) for value in interval.mean(0))
                 self.log.training_line(self.iteration, t.train_iters, {
                     "consumed_samples": self.consumed_samples,
                     "consumed_tokens": self.consumed_samples * t.seq_length,
                     "iteration_ms": 1000.0 * seconds, "lr": self.engine.get_lr()[0],
                     "global_batch_size": t.global_batch_size,
-                    "lm_loss": self._dp_mean(torch.stack(interval_losses).mean()),
+                    "lm_loss": lm, "moe_loss": moe if self.model_config.is_moe else None,
                     "loss_scale": self.engine.loss_scaler.scale if t.precision == "fp16" else None,
                     "grad_norm": self.engine.last_grad_norm,
                     "skipped": self.engine.skipped_steps - interval_skipped,
                     "tokens_per_second": t.tokens_per_iteration / seconds,
                     "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
                 })
+                self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.dp_group))
                 interval_losses.clear()
                 interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
             if self.iteration % cfg.logging.eval_interval == 0:

@@ -4,6 +4,8 @@ TensorBoard (written by the first rank only)."""
 import math
 from typing import Any
 
+from megatron.moe_monitor import LayerLoad
+
 LINE = "-" * 100
 
 
@@ -35,6 +37,8 @@ class TrainingLogger:
             f"global batch size: {stats['global_batch_size']:5d}",
             f"lm loss: {stats['lm_loss']:.6E}",
         ]
+        if stats.get("moe_loss") is not None:
+            fields.append(f"moe loss: {stats['moe_loss']:.6E}")
         if stats.get("loss_scale") is not None:
             fields.append(f"loss scale: {stats['loss_scale']:.1f}")
         fields += [
@@ -49,7 +53,31 @@ class TrainingLogger:
             "iteration-time": stats["iteration_ms"] / 1000.0, "tokens-per-second": stats["tokens_per_second"],
             "tflops": stats["tflops"], "batch-size": stats["global_batch_size"],
             **({"loss-scale": stats["loss_scale"]} if stats.get("loss_scale") is not None else {}),
+            **({"moe loss": stats["moe_loss"]} if stats.get("moe_loss") is not None else {}),
         })
+
+    def moe_lines(self, iteration: int, loads: list[LayerLoad]) -> None:
+        """Expert load per MoE layer: one summary line, scalars and a tokens-per-expert histogram."""
+        if not loads:
+            return
+        self.info(" moe | " + " | ".join(
+            f"layer {load.layer}: imbalance {load.imbalance:.2f} dropped {100 * load.dropped_fraction:.1f}% "
+            f"entropy {load.router_entropy:.2f}" for load in loads
+        ) + " |")
+        for load in loads:
+            prefix = f"moe/layer{load.layer}"
+            self.scalars(iteration, {f"{prefix}/imbalance": load.imbalance,
+                                     f"{prefix}/dropped-fraction": load.dropped_fraction,
+                                     f"{prefix}/router-entropy": load.router_entropy})
+            if self.writer is not None:
+                counts = load.tokens_per_expert
+                self.writer.add_histogram_raw(
+                    f"{prefix}/tokens-per-expert", min=0, max=len(counts) - 1, num=sum(counts),
+                    sum=float(sum(e * c for e, c in enumerate(counts))),
+                    sum_squares=float(sum(e * e * c for e, c in enumerate(counts))),
+                    bucket_limits=[e + 0.5 for e in range(len(counts))], bucket_counts=counts,
+                    global_step=iteration,
+                )
 
     def evaluation_line(self, label: str, iteration: int, loss: float) -> None:
         ppl = math.exp(min(20.0, loss))

@@ -64,3 +64,33 @@ def test_unknown_flag_is_rejected(capsys):
 def test_missing_data_is_rejected():
     with pytest.raises(ConfigError, match="no training data"):
         parse_args([a for a in BASE if a not in ("--data-path", "corpus")] + ["--train-iters", "1"])
+
+
+def test_moe_flags_build_the_layer_plan():
+    config = parse("--train-iters 10 --num-layers 4 --num-experts 8 --topk 2 --mlp-type residual")
+    assert config.model.experts_per_layer == [1, 8, 1, 8]
+    assert config.model.moe.topk == 2 and config.model.moe.use_residual
+    pyramid = parse("--train-iters 10 --num-layers 6 --num-experts 4 4 8")
+    assert pyramid.model.experts_per_layer == [1, 4, 1, 4, 1, 8]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--num-layers 4 --num-experts 4 4 8", "--num-experts has 3 values but 4 layers .* give one value or 2"),
+    ("--num-experts 1 --mlp-type residual", "--mlp-type residual needs MoE layers"),
+    ("--num-experts 4 --topk 2 --moe-noisy-gate-policy RSample", "RSample applies to top-1"),
+])
+def test_moe_flag_errors(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse("--train-iters 10 " + extra)
+
+
+def test_expert_parallel_size_must_divide_every_expert_count():
+    config = parse("--train-iters 10 --num-layers 4 --num-experts 4 6 --moe-expert-parallel-size 4 --global-batch-size 8")
+    with pytest.raises(ConfigError, match="6 experts cannot be split over --moe-expert-parallel-size 4"):
+        with_data_parallel_size(config, 4)
+
+
+def test_unknown_mlp_type_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse("--train-iters 10 --num-experts 4 --mlp-type pyramid")
+    assert "invalid choice: 'pyramid'" in capsys.readouterr().err

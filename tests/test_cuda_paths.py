@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.model import GPTConfig, GPTModel
-from megatron.parallel import ParallelGrid
+from megatron.parallel import ParallelGrid, single_process_grid
 from megatron.runtime import initialize
 from megatron.training import Trainer
 from tests.training_fixtures import tiny_config, write_corpus
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cuda
 
 
 def cuda_grid() -> ParallelGrid:
-    return ParallelGrid(1, 0, 1, 0, None, torch.device("cuda", 0))
+    return single_process_grid(torch.device("cuda", 0))
 
 
 def test_model_on_cuda_matches_cpu():

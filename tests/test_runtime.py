@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
-from megatron.parallel import ParallelGrid
+from megatron.parallel import single_process_grid
 from megatron.runtime import initialize, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, LossScaleError
 from megatron.runtime.lr_schedules import AnnealingLR
 
-SINGLE = ParallelGrid(1, 0, 1, 0, None, torch.device("cpu"))
+SINGLE = single_process_grid(torch.device("cpu"))
 
 
 def small_model(seed: int = 0) -> torch.nn.Module:

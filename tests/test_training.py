@@ -8,13 +8,13 @@ from safetensors.torch import load_file
 
 from megatron.checkpointing import LATEST_FILE, latest_iteration
 from megatron.errors import CheckpointError
-from megatron.parallel import ParallelGrid, build_parallel_grid
+from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.runtime import state_io
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 
-SINGLE = ParallelGrid(1, 0, 1, 0, None, torch.device("cpu"))
+SINGLE = single_process_grid(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +48,11 @@ def test_checkpoint_layout_is_safetensors_and_json(corpus, tmp_path):
     assert latest_iteration(str(save)) == 6
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000006", LATEST_FILE]
     files = sorted(p.name for p in (save / "iter_0000006").iterdir())
-    assert files == ["engine.json", "model.safetensors", "optimizer.safetensors", "rng_rank00000.safetensors"]
+    assert files == ["engine.json", "model_rank00000.safetensors", "optimizer_rank00000.safetensors",
+                     "rng_rank00000.safetensors"]
     meta = json.loads((save / "iter_0000006" / "engine.json").read_text())
     assert meta["client_state"]["iteration"] == 6 and meta["client_state"]["consumed_samples"] == 24
-    assert "exp_avg/word_embeddings.weight" in load_file(str(save / "iter_0000006" / "optimizer.safetensors"))
+    assert "exp_avg/word_embeddings.weight" in load_file(str(save / "iter_0000006" / "optimizer_rank00000.safetensors"))
 
 
 def test_resume_equals_uninterrupted_run_bit_for_bit(corpus, tmp_path):

@@ -43,7 +43,9 @@ def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
         if value is False or value is None:
             continue
         argv.append(f"--{key}")
-        if value is not True:
+        if isinstance(value, (list, tuple)):
+            argv += [str(item) for item in value]
+        elif value is not True:
             argv.append(str(value))
     return argv
 

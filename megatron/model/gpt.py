@@ -1,18 +1,21 @@
-"""GPT language model: token (+ learned position) embeddings -> pre-LN blocks -> final LN ->
-LM head tied to the token embedding. Returns logits, or per-token losses when labels are given.
+"""GPT language model: token (+ learned position) embeddings -> pre-LN blocks (dense MLP or MoE)
+-> final LN -> LM head tied to the token embedding. Returns logits, or per-token losses and the
+summed MoE router loss when labels are given.
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.model.config import GPTConfig
-from megatron.model.transformer import MLP, TransformerBlock, init_normal_
+from megatron.model.moe import MoELayer
+from megatron.model.transformer import MLP, TransformerBlock, init_normal_, output_layer_std
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the padded tokenizer vocabulary) before building the model")
@@ -25,31 +28,43 @@ class GPTModel(nn.Module):
             init_normal_(self.position_embeddings.weight, config.init_method_std)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, MLP(config)) for _ in range(config.num_layers)
+            TransformerBlock(config, self._mlp(config, experts, ep_group)) for experts in config.experts_per_layer
         )
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+    @staticmethod
+    def _mlp(config: GPTConfig, num_experts: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
+        if num_experts == 1:
+            return MLP(config)
+        return MoELayer(
+            config.hidden_size, config.ffn_hidden_size, num_experts, config.moe,
+            init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
+            residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
+        )
 
     def forward(
         self,
         tokens_BS: torch.Tensor,
         position_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [B, S, V] without labels; fp32 per-token cross entropy [B, S] with them."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, S, V] without labels; with them, fp32 per-token cross entropy [B, S] and the
+        sum of the MoE layers' router losses (zero for a dense model)."""
         if position_ids_BS is None:
             position_ids_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
         x_BSH = self.word_embeddings(tokens_BS)
         if self.position_embeddings is not None:
             x_BSH = x_BSH + self.position_embeddings(position_ids_BS)
         x_BSH = self.embedding_dropout(x_BSH)
+        router_loss = torch.zeros((), device=x_BSH.device)
         for layer in self.layers:
             if self.config.checkpoint_activations and self.training:
-                x_BSH = checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
+                x_BSH, layer_loss = checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
             else:
-                x_BSH = layer(x_BSH, position_ids_BS)
+                x_BSH, layer_loss = layer(x_BSH, position_ids_BS)
+            router_loss = router_loss + layer_loss
         logits_BSV = F.linear(self.final_layernorm(x_BSH), self.word_embeddings.weight)
         if labels_BS is None:
             return logits_BSV
-        return F.cross_entropy(
-            logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none"
-        ).view_as(labels_BS)
+        losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
+        return losses_BS.view_as(labels_BS), router_loss

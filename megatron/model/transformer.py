@@ -75,7 +75,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense GELU MLP: H -> F -> H."""
+    """Dense GELU MLP: H -> F -> H. Works on any leading shape."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -99,6 +99,9 @@ class TransformerBlock(nn.Module):
         self.mlp = mlp
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the block's output and its MoE router loss (zero for a dense MLP)."""
         x_BSH = x_BSH + self.dropout(self.self_attention(self.input_layernorm(x_BSH), position_ids_BS))
-        return x_BSH + self.dropout(self.mlp(self.post_attention_layernorm(x_BSH)))
+        mlp_out = self.mlp(self.post_attention_layernorm(x_BSH))
+        mlp_out, router_loss = mlp_out if isinstance(mlp_out, tuple) else (mlp_out, x_BSH.new_zeros((), dtype=torch.float32))
+        return x_BSH + self.dropout(mlp_out), router_loss

@@ -23,7 +23,8 @@ from megatron.runtime.config import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.errors import CheckpointError
 from megatron.runtime.state_io import (
-    load_optimizer_state, load_rng_state, load_tensors, optimizer_state, save_rng_state, save_tensors,
+    ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
+    save_rng_state, save_tensors,
 )
 
 
@@ -73,7 +74,9 @@ class Engine:
         self.loss_scaler = build_loss_scaler(config)
         self.gradient_accumulation_steps = config.gradient_accumulation_steps or 1
         self.autocast_dtype = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
-        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.dense_params = [p for p in params if expert_ids(p) is None]
+        self.expert_params = [p for p in params if expert_ids(p) is not None]
         self.param_names = {p: n for n, p in self.module.named_parameters()}
         self.micro_steps = 0
         self.global_steps = 0
@@ -83,10 +86,13 @@ class Engine:
         self._broadcast_parameters()
 
     def _broadcast_parameters(self) -> None:
-        """Every data-parallel rank starts from rank 0's weights."""
-        if self.parallel.dp_size > 1:
-            for tensor in self.module.state_dict().values():
-                dist.broadcast(tensor, src=dist.get_global_rank(self.parallel.dp_group, 0), group=self.parallel.dp_group)
+        """Every replica starts from its group's first rank's weights: dense tensors over the
+        data-parallel group, experts over their expert-data-parallel group."""
+        grid = self.parallel
+        for tensor in self.module.state_dict(keep_vars=True).values():
+            group = grid.expert_dp_group if expert_ids(tensor) else grid.dp_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -109,17 +115,31 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def _reduce_gradients(self, grads: list[torch.Tensor]) -> None:
-        """Sum gradients over the data-parallel group, one flat buffer per dtype."""
-        if self.parallel.dp_size == 1:
+    @staticmethod
+    def _sum_over(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        """Sum gradients over a group, one flat buffer per dtype."""
+        if group is None or dist.get_world_size(group) == 1 or not grads:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         for same_dtype in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in same_dtype])
-            dist.all_reduce(flat, group=self.parallel.dp_group)
+            dist.all_reduce(flat, group=group)
             torch._foreach_copy_(same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)])
+
+    def _global_sq_norm(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> float:
+        """Squared norm of all gradients of the model: dense ones are replicated, each expert
+        lives on one rank of the expert-parallel group."""
+        def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+            if not grads:
+                return torch.zeros((), device=self.parallel.device)
+            return torch.nn.utils.get_total_norm(grads, foreach=True).float().square()
+
+        expert_sq = sq_norm(expert_grads)
+        if self.parallel.ep_group is not None and self.parallel.ep_size > 1:
+            dist.all_reduce(expert_sq, group=self.parallel.ep_group)
+        return float(sq_norm(dense_grads) + expert_sq)
 
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary reduce, clip and update."""
@@ -127,13 +147,18 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        for param in self.params:
+        for param in (*self.dense_params, *self.expert_params):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        grads = [p.grad for p in self.params]
-        self._reduce_gradients(grads)
+        dense_grads = [p.grad for p in self.dense_params]
+        expert_grads = [p.grad for p in self.expert_params]
+        self._sum_over(dense_grads, self.parallel.dp_group)
+        # an expert's gradient already holds its expert-parallel group's tokens; summing over its
+        # copies and dividing by the full data-parallel size makes EP=N equal EP=1
+        self._sum_over(expert_grads, self.parallel.expert_dp_group)
+        grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.parallel.dp_size
-        grad_norm = float(torch.nn.utils.get_total_norm(grads, foreach=True)) / divisor
+        grad_norm = math.sqrt(self._global_sq_norm(dense_grads, expert_grads)) / divisor
         self.last_grad_norm = grad_norm
         self.last_step_skipped = not math.isfinite(grad_norm)
         if self.last_step_skipped:
@@ -160,17 +185,23 @@ class Engine:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.parallel.barrier()
-        save_rng_state(staging / f"rng_rank{self.parallel.rank:05d}.safetensors")
-        if self.parallel.is_first_rank:
-            save_tensors(staging / "model.safetensors", self.module.state_dict())
-            optim_tensors, optim_meta = optimizer_state(self.optimizer, self.param_names)
-            save_tensors(staging / "optimizer.safetensors", optim_tensors)
+        grid = self.parallel
+        suffix = f"rank{grid.rank:05d}.safetensors"
+        save_rng_state(staging / f"rng_{suffix}")
+        owns = {"owns_dense": grid.is_first_rank, "owns_experts": grid.expert_dp_rank == 0}
+        model = model_entries(self.module, **owns)
+        optim, optim_groups = optimizer_entries(self.optimizer, self.param_names, **owns)
+        if model:
+            save_tensors(staging / f"model_{suffix}", model)
+        if optim:
+            save_tensors(staging / f"optimizer_{suffix}", optim)
+        if grid.is_first_rank:
             meta = {
                 "global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                "skipped_steps": self.skipped_steps, "optimizer": optim_meta,
+                "skipped_steps": self.skipped_steps, "optimizer_groups": optim_groups,
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
-                "dp_size": self.parallel.dp_size,
+                "dp_size": grid.dp_size, "ep_size": grid.ep_size,
             }
             (staging / "engine.json").write_text(json.dumps(meta, indent=1))
         self.parallel.barrier()
@@ -192,9 +223,9 @@ class Engine:
         if not meta_path.is_file():
             raise CheckpointError(f"no checkpoint at {folder} (engine.json is missing); check --load and the tag")
         meta = json.loads(meta_path.read_text())
-        self._load_model(load_tensors(folder / "model.safetensors"), folder)
+        load_model_entries(self.module, ShardedReader(folder, "model"))
         if load_optimizer:
-            load_optimizer_state(self.optimizer, self.param_names, load_tensors(folder / "optimizer.safetensors"), meta["optimizer"])
+            load_optimizer_entries(self.optimizer, self.param_names, ShardedReader(folder, "optimizer"), meta["optimizer_groups"])
             if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
@@ -203,24 +234,10 @@ class Engine:
         rng_path = folder / f"rng_rank{self.parallel.rank:05d}.safetensors"
         if load_rng and rng_path.is_file():
             load_rng_state(rng_path)
+        elif load_rng and self.parallel.is_first_rank:
+            print(f" > {folder} has no RNG state for rank {self.parallel.rank} (saved with another world size): "
+                  "random streams start afresh", flush=True)
         return meta["client_state"]
-
-    def _load_model(self, tensors: dict[str, torch.Tensor], folder: Path) -> None:
-        own = self.module.state_dict()
-        missing = sorted(set(own) - set(tensors))
-        unexpected = sorted(set(tensors) - set(own))
-        if missing or unexpected:
-            raise CheckpointError(
-                f"the model in {folder} does not match this model (missing {missing[:3]}, unexpected "
-                f"{unexpected[:3]}); use the same model flags as the run that saved it"
-            )
-        for name, tensor in tensors.items():
-            if tensor.shape != own[name].shape:
-                raise CheckpointError(
-                    f"parameter {name} in {folder} has shape {tuple(tensor.shape)} but this model's is "
-                    f"{tuple(own[name].shape)}; use the same model flags as the run that saved it"
-                )
-        self.module.load_state_dict(tensors)
 
 
 def initialize(

@@ -1,0 +1,52 @@
+"""This rank's experts as stacked weights, run with grouped GEMMs.
+
+Legend: E_l local experts, H hidden, F expert ffn hidden, N routed rows (sorted by expert).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.moe.grouped_gemm import grouped_linear
+
+
+class GroupedExperts(nn.Module):
+    """GELU MLP experts H -> F -> H with biases. Parameters carry `expert_global_ids` (dim 0 holds
+    those experts), which the runtime uses to reduce, save and load them by global expert id."""
+
+    def __init__(
+        self, num_experts: int, global_ids: list[int], hidden_size: int, ffn_hidden_size: int,
+        init_std: float, output_init_std: float,
+    ) -> None:
+        super().__init__()
+        local = len(global_ids)
+        self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size))
+        self.b1 = nn.Parameter(torch.zeros(local, ffn_hidden_size))
+        self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size))
+        self.b2 = nn.Parameter(torch.zeros(local, hidden_size))
+        for param in self.parameters():
+            param.expert_global_ids = tuple(global_ids)
+        self._init_by_global_id(num_experts, global_ids, init_std, output_init_std)
+
+    @torch.no_grad()
+    def _init_by_global_id(self, num_experts: int, global_ids: list[int], std: float, output_std: float) -> None:
+        """Draw every expert of the layer in global order and keep this rank's: the same seed gives
+        the same experts, and leaves the RNG in the same state, whatever the expert-parallel size."""
+        local_index = {g: i for i, g in enumerate(global_ids)}
+        for g in range(num_experts):
+            w1 = torch.empty_like(self.w1[0]).normal_(0.0, std)
+            w2 = torch.empty_like(self.w2[0]).normal_(0.0, output_std)
+            if g in local_index:
+                self.w1[local_index[g]] = w1
+                self.w2[local_index[g]] = w2
+
+    def forward(self, x_NH: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
+        if torch.is_autocast_enabled(x_NH.device.type):  # grouped GEMMs are not on autocast's list
+            dtype = torch.get_autocast_dtype(x_NH.device.type)
+            x_NH, w1, b1, w2, b2 = (t.to(dtype) for t in (x_NH, w1, b1, w2, b2))
+        rows = x_NH.shape[0]
+        h_NF = grouped_linear(x_NH, w1, counts_El) + b1.repeat_interleave(counts_El, dim=0, output_size=rows)
+        y_NH = grouped_linear(F.gelu(h_NF), w2, counts_El)
+        return y_NH + b2.repeat_interleave(counts_El, dim=0, output_size=rows)
+

@@ -1,0 +1,86 @@
+"""The MoE layer: router -> dispatch (sort, all-to-all) -> grouped experts -> combine, with an
+optional PR-MoE residual MLP. Self-contained: it takes its expert-parallel group explicitly and
+knows nothing of training, checkpoints or the engine.
+
+Legend: B batch, S sequence, H hidden, T = B * S tokens, E experts in the layer.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.errors import ConfigError
+from megatron.model.moe.config import MoEConfig
+from megatron.model.moe.dispatch import combine, return_from_expert_ranks, send_to_expert_ranks, sort_by_expert
+from megatron.model.moe.experts import GroupedExperts
+from megatron.model.moe.router import Router
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        config: MoEConfig,
+        init_std: float,
+        output_init_std: float,
+        ep_group: dist.ProcessGroup | None = None,
+        residual_mlp: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        if num_experts % ep_size:
+            raise ConfigError(
+                f"{num_experts} experts cannot be split over --moe-expert-parallel-size {ep_size}; "
+                "choose an expert-parallel size that divides every layer's expert count"
+            )
+        if config.use_residual and residual_mlp is None:
+            raise ValueError("a residual MoE layer needs its dense residual_mlp")
+        local = num_experts // ep_size
+        self.num_experts = num_experts
+        self.config = config
+        self.ep_group = ep_group if ep_size > 1 else None
+        self.router = Router(hidden_size, num_experts, config)
+        self.experts = GroupedExperts(
+            num_experts, list(range(ep_rank * local, (ep_rank + 1) * local)),
+            hidden_size, ffn_hidden_size, init_std, output_init_std,
+        )
+        self.residual_mlp = residual_mlp
+        self.coefficient = nn.Linear(hidden_size, 2) if config.use_residual else None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output [B, S, H] and this layer's weighted router loss (aux + z-loss)."""
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        gating, logits_TE = self.router(x_TH, self.ep_group)
+        rows_NH, counts_E, routes = sort_by_expert(x_TH, gating, self.num_experts)
+        if self.ep_group is None:
+            y_NH = self.experts(rows_NH, counts_E)
+        else:
+            local_rows, local_counts = send_to_expert_ranks(rows_NH, counts_E, routes, self.ep_group)
+            y_NH = return_from_expert_ranks(self.experts(local_rows, local_counts), routes, self.ep_group)
+        out_TH = combine(y_NH, routes, x_TH.shape[0])
+        if self.residual_mlp is not None:
+            mix_T2 = F.softmax(self.coefficient(x_TH), dim=-1)
+            out_TH = out_TH * mix_T2[:, :1] + self.residual_mlp(x_TH) * mix_T2[:, 1:]
+        loss = self.config.aux_loss_coeff * gating.l_aux
+        if self.config.z_loss_coeff > 0:
+            loss = loss + self.config.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
+        self._record(gating, logits_TE)
+        return out_TH.view_as(x_BSH).to(x_BSH.dtype), loss
+
+    @torch.no_grad()
+    def _record(self, gating, logits_TE: torch.Tensor) -> None:
+        """What users watch: load per expert, dropped share and router entropy of the last forward."""
+        probs = F.softmax(logits_TE, dim=-1)
+        self.stats = {
+            "tokens_per_expert": gating.tokens_per_expert,
+            "dropped": (gating.positions < 0).sum(),
+            "routed": torch.tensor(gating.positions.numel(), device=logits_TE.device),
+            "entropy_sum": -(probs * probs.clamp(min=1e-20).log()).sum(),
+            "tokens": torch.tensor(logits_TE.shape[0], device=logits_TE.device),
+            "l_aux": gating.l_aux.detach(),
+        }

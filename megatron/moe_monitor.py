@@ -1,0 +1,52 @@
+"""Expert-load observability: per MoE layer, tokens per expert (max/mean imbalance), share of
+routed choices dropped and router entropy, summed over a log interval and data-parallel ranks."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.model import GPTModel
+from megatron.model.moe import MoELayer
+
+STAT_KEYS = ("tokens_per_expert", "dropped", "routed", "entropy_sum", "tokens")
+
+
+@dataclass
+class LayerLoad:
+    layer: int  # 1-based layer number
+    tokens_per_expert: list[int]
+    imbalance: float  # max / mean tokens per expert
+    dropped_fraction: float
+    router_entropy: float  # mean over tokens, nats
+
+
+class MoEMonitor:
+    def __init__(self, model: GPTModel) -> None:
+        self.layers = [(n, block.mlp) for n, block in enumerate(model.layers, start=1) if isinstance(block.mlp, MoELayer)]
+        self.sums: dict[int, dict[str, torch.Tensor]] = {}
+
+    def accumulate(self) -> None:
+        """Add the last forward's statistics of every MoE layer (call after each micro-batch)."""
+        for number, layer in self.layers:
+            totals = self.sums.setdefault(number, {})
+            for key in STAT_KEYS:
+                value = layer.stats[key]
+                totals[key] = totals[key] + value if key in totals else value.clone()
+
+    def report(self, group: dist.ProcessGroup | None) -> list[LayerLoad]:
+        """Per-layer load since the last report, summed over `group`; resets the sums."""
+        loads = []
+        for number, totals in sorted(self.sums.items()):
+            flat = torch.cat([totals[key].reshape(-1).double() for key in STAT_KEYS])
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            counts, dropped, routed, entropy, tokens = flat.split([flat.numel() - 4, 1, 1, 1, 1])
+            mean = counts.mean().item()
+            loads.append(LayerLoad(
+                layer=number, tokens_per_expert=[int(c) for c in counts.tolist()],
+                imbalance=counts.max().item() / mean if mean > 0 else 0.0,
+                dropped_fraction=dropped.item() / max(routed.item(), 1.0),
+                router_entropy=entropy.item() / max(tokens.item(), 1.0),
+            ))
+        self.sums.clear()
+        return loads

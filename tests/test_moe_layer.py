@@ -1,0 +1,127 @@
+"""The MoE layer: sort dispatch against a per-token loop, and expert parallelism against EP=1."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.model.moe import MoEConfig, MoELayer
+from megatron.model.moe.grouped_gemm import _LoopedGroupedLinear, grouped_linear
+from megatron.parallel import build_parallel_grid
+from tests.dist_utils import run_distributed
+
+H, FFN = 16, 32
+
+
+def make_layer(num_experts: int, config: MoEConfig, ep_group=None, residual: bool = False) -> MoELayer:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(H, FFN), torch.nn.GELU(), torch.nn.Linear(FFN, H)) if residual else None
+    return MoELayer(H, FFN, num_experts, config, init_std=0.2, output_init_std=0.1, ep_group=ep_group, residual_mlp=mlp)
+
+
+def loop_reference(layer: MoELayer, x_BSH: torch.Tensor) -> torch.Tensor:
+    """The layer's output computed token by token from the router's decisions."""
+    x_TH = x_BSH.reshape(-1, H)
+    gating, _ = layer.router(x_TH)
+    e = layer.experts
+    rows = []
+    for t in range(x_TH.shape[0]):
+        out = torch.zeros(H)
+        for choice in range(gating.expert_ids.shape[1]):
+            if gating.positions[t, choice] >= 0:
+                i = int(gating.expert_ids[t, choice])
+                y = F.gelu(x_TH[t] @ e.w1[i] + e.b1[i]) @ e.w2[i] + e.b2[i]
+                out = out + gating.gates[t, choice] * y
+        if layer.residual_mlp is not None:
+            mix = F.softmax(layer.coefficient(x_TH[t]), dim=-1)
+            out = out * mix[0] + layer.residual_mlp(x_TH[t]) * mix[1]
+        rows.append(out)
+    return torch.stack(rows).view_as(x_BSH)
+
+
+@pytest.mark.parametrize("k, drop, residual", [(1, True, False), (2, True, False), (3, False, False), (2, True, True)])
+def test_sort_dispatch_equals_per_token_loop(k, drop, residual):
+    config = MoEConfig(topk=k, drop_tokens=drop, use_rts=False, sample_second_expert=False, min_capacity=1,
+                       use_residual=residual)
+    layer = make_layer(6, config, residual=residual)
+    x = torch.randn(3, 10, H, requires_grad=True)
+    grad = torch.randn(3, 10, H)
+    out, _ = layer(x)
+    (out * grad).sum().backward()
+    if drop:
+        assert (layer.router(x.reshape(-1, H))[0].positions < 0).any(), "the case should drop some tokens"
+    fast = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    reference = loop_reference(layer, x)
+    (reference * grad).sum().backward()
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fast, [x.grad] + [p.grad for p in layer.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_looped_grouped_gemm_equals_grouped_mm():
+    x = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(4, 8, 5, requires_grad=True)
+    counts = torch.tensor([3, 0, 12, 5])
+    grad = torch.randn(20, 5)
+    grouped_linear(x, w, counts).backward(grad)
+    expected = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    _LoopedGroupedLinear.apply(x, w, counts.tolist()).backward(grad)
+    torch.testing.assert_close(x.grad, expected[0])
+    torch.testing.assert_close(w.grad, expected[1])
+    assert torch.count_nonzero(w.grad[1]) == 0
+
+
+def test_layer_runs_under_bf16_autocast():
+    layer = make_layer(4, MoEConfig(topk=2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, loss = layer(torch.randn(2, 8, H))
+    assert out.dtype == torch.float32 and loss.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def _ep_versus_full(num_experts: int, ep_size: int, k: int, drop: bool, route_all_to_first: bool) -> dict[str, torch.Tensor]:
+    """On every rank: the EP layer and a full EP=1 copy on this rank's own tokens."""
+    grid = build_parallel_grid(torch.device("cpu"), ep_size=ep_size)
+    config = MoEConfig(topk=k, drop_tokens=drop, use_rts=False, sample_second_expert=False, min_capacity=1)
+    ep_layer = make_layer(num_experts, config, ep_group=grid.ep_group)
+    full = make_layer(num_experts, config)
+    torch.manual_seed(100 + grid.rank)
+    x = torch.randn(2, 12, H)
+    if route_all_to_first:  # every token picks expert 0: the other ranks' experts receive nothing
+        x = x.abs()
+        for layer in (ep_layer, full):
+            with torch.no_grad():
+                layer.router.weight.zero_()
+                layer.router.weight[0] = 1.0
+    grad = torch.randn(2, 12, H)
+    results = {}
+    for name, layer in (("ep", ep_layer), ("full", full)):
+        out, loss = layer(x)
+        ((out * grad).sum() + loss).backward()
+        results[f"{name}_out"] = out.detach()
+        results[f"{name}_loss"] = loss.detach()
+        results[f"{name}_router_grad"] = layer.router.weight.grad
+    local = list(ep_layer.experts.w1.expert_global_ids)
+    for param in ("w1", "b1", "w2", "b2"):
+        full_grad = getattr(full.experts, param).grad.clone()
+        dist.all_reduce(full_grad, group=grid.ep_group)  # an expert's gradient sums its EP group's tokens
+        results[f"full_{param}_grad"] = full_grad[local]
+        results[f"ep_{param}_grad"] = getattr(ep_layer.experts, param).grad
+    return results
+
+
+@pytest.mark.parametrize("world, k, drop", [(2, 1, True), (2, 2, False), (4, 2, True)])
+def test_expert_parallel_equals_single_rank(world, k, drop):
+    for rank, result in enumerate(run_distributed(_ep_versus_full, world, 8, world, k, drop, False)):
+        for name in ("out", "loss", "router_grad", "w1_grad", "b1_grad", "w2_grad", "b2_grad"):
+            torch.testing.assert_close(result[f"ep_{name}"], result[f"full_{name}"], rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}: {name}")
+
+
+def test_ranks_whose_experts_receive_no_tokens_do_not_hang():
+    results = run_distributed(_ep_versus_full, 2, 4, 2, 1, False, True)
+    torch.testing.assert_close(results[0]["ep_out"], results[0]["full_out"])
+    assert torch.count_nonzero(results[1]["ep_w1_grad"]) == 0  # rank 1 holds experts 2 and 3
+    assert torch.count_nonzero(results[0]["ep_w1_grad"][0]) > 0
