@@ -32,7 +32,7 @@ CONFIGS = {
 
 
 def bare_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, clip: float) -> None:
-    losses = model(batch["tokens"], labels_BS=batch["labels"])
+    losses, _ = model(batch["tokens"], labels_BS=batch["labels"])
     loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
