@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, run as is on a lent GPU machine (under 8 minutes): the test suite's CUDA paths,
-# then short bf16 and fp16 training runs of a ~125M GPT with tokens/s and MFU.
+# then short bf16 and fp16 training runs of a ~125M GPT with tokens/s and MFU, then one MoE
+# layer in bf16 (E=64, 16k tokens) with the grouped GEMM against its fallback.
 # Results go to ${OUT:-benchmarks/results}; record them in docs/benchmarks.md.
 #
 # The GPU machine has its own python3 with torch and cannot reach a registry. If a dependency
@@ -22,6 +23,8 @@ done
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 echo "== CUDA paths of the test suite"
-timeout 240 $PY -m pytest -q -m cuda tests 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 150 $PY -m pytest -q -m cuda tests 2>&1 | tee "$OUT/gpu_tests.log"
 echo "== 125M training runs"
-timeout 300 $PY -m benchmarks.gpu_train --output "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log"
+timeout 240 $PY -m benchmarks.gpu_train --output "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log"
+echo "== MoE layer, bf16, E=64, 16k tokens: grouped GEMM vs fallback vs dense"
+timeout 90 $PY -m benchmarks.gpu_moe_layer --output "$OUT/gpu_moe_layer.json" 2>&1 | tee "$OUT/gpu_moe_layer.log"

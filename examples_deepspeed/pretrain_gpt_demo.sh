@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The built-in demo, start to finish on the CPU: a corpus from the Python standard library's own
 # sources, a SentencePiece tokenizer, Megatron's indexed dataset, then a few minutes of training
-# a small GPT with evaluation, TensorBoard logs and a checkpoint. Run it with `make demo`.
+# a small MoE GPT (4 layers, 8 experts on every other layer, top-1) with evaluation, expert-load
+# lines, TensorBoard logs and a checkpoint. Run it with `make demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -24,6 +25,8 @@ echo "== 4/4 training"
 rm -rf "$DEMO_DIR/checkpoints" "$DEMO_DIR/tensorboard"
 $PYTHON pretrain_gpt.py \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
+    --num-experts 8 --expert-interval 2 --topk 1 --moe-loss-coeff 0.01 \
+    --moe-train-capacity-factor 1.0 --moe-eval-capacity-factor 1.0 --moe-min-capacity 4 \
     --micro-batch-size 8 --global-batch-size 16 --train-iters ${DEMO_ITERS:-200} \
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0 \

@@ -65,7 +65,7 @@ def test_looped_grouped_gemm_equals_grouped_mm():
     w = torch.randn(4, 8, 5, requires_grad=True)
     counts = torch.tensor([3, 0, 12, 5])
     grad = torch.randn(20, 5)
-    grouped_linear(x, w, counts).backward(grad)
+    grouped_linear(x, w, torch.zeros(4, 5), counts).backward(grad)
     expected = [x.grad.clone(), w.grad.clone()]
     x.grad = w.grad = None
     _LoopedGroupedLinear.apply(x, w, counts.tolist()).backward(grad)
@@ -125,3 +125,14 @@ def test_ranks_whose_experts_receive_no_tokens_do_not_hang():
     torch.testing.assert_close(results[0]["ep_out"], results[0]["full_out"])
     assert torch.count_nonzero(results[1]["ep_w1_grad"]) == 0  # rank 1 holds experts 2 and 3
     assert torch.count_nonzero(results[0]["ep_w1_grad"][0]) > 0
+
+
+def test_router_loss_is_weighted_aux_plus_z_loss():
+    x = torch.randn(2, 8, H)
+    plain = make_layer(4, MoEConfig(aux_loss_coeff=0.5, use_rts=False))
+    with_z = make_layer(4, MoEConfig(aux_loss_coeff=0.5, z_loss_coeff=0.1, use_rts=False))
+    _, plain_loss = plain(x)
+    _, z_loss = with_z(x)
+    gating, logits = plain.router(x.reshape(-1, H))
+    torch.testing.assert_close(plain_loss, 0.5 * gating.l_aux)
+    torch.testing.assert_close(z_loss - plain_loss, 0.1 * torch.logsumexp(logits, dim=-1).square().mean())

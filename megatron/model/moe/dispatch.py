@@ -54,7 +54,7 @@ def sort_by_expert(x_TH: torch.Tensor, gating: Gating, num_experts: int) -> tupl
     pair_N = pair_N[order]
     token_N = pair_N // k
     counts_E = torch.bincount(expert_N, minlength=num_experts)
-    return x_TH[token_N], counts_E, Routes(token_N, gating.gates.flatten()[pair_N])
+    return x_TH.index_select(0, token_N), counts_E, Routes(token_N, gating.gates.flatten()[pair_N])
 
 
 def send_to_expert_ranks(

@@ -45,8 +45,5 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(x_NH.device.type):  # grouped GEMMs are not on autocast's list
             dtype = torch.get_autocast_dtype(x_NH.device.type)
             x_NH, w1, b1, w2, b2 = (t.to(dtype) for t in (x_NH, w1, b1, w2, b2))
-        rows = x_NH.shape[0]
-        h_NF = grouped_linear(x_NH, w1, counts_El) + b1.repeat_interleave(counts_El, dim=0, output_size=rows)
-        y_NH = grouped_linear(F.gelu(h_NF), w2, counts_El)
-        return y_NH + b2.repeat_interleave(counts_El, dim=0, output_size=rows)
+        return grouped_linear(F.gelu(grouped_linear(x_NH, w1, b1, counts_El)), w2, b2, counts_El)
 
