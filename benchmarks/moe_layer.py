@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.moe import MoEConfig, MoELayer
+from megatron.model.moe.router import gumbel_like
 
 IMPLS = ("ours", "dense", "onehot")
 CAPACITY_FACTOR, MIN_CAPACITY, AUX_COEFF = 1.0, 4, 0.01
@@ -59,10 +60,6 @@ def onehot_bytes(case: Case) -> int:
     """Estimated peak of (b)'s [S, E, C] tensors: 3 fp32 ones (combine weights, float dispatch mask,
     combine-weight gradient). Measured here at H=512, E=16, 8192 tokens: about 2.4 (top-1), 3.1 (top-2)."""
     return 3 * case.tokens * case.experts * capacity(case) * 4
-
-
-def gumbel_like(x: torch.Tensor) -> torch.Tensor:
-    return -torch.empty_like(x).exponential_().log()
 
 
 class OneHotMoE(nn.Module):

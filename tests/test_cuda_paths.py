@@ -53,3 +53,29 @@ def test_tiny_training_run_on_cuda(tmp_path, precision):
     result = Trainer(config, cuda_grid()).train()
     (_, first), (_, last) = result.validation
     assert last < first - 0.5
+
+
+def test_moe_layer_on_cuda_matches_cpu():
+    from megatron.model.moe import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(64, 256, 8, MoEConfig(topk=2, use_rts=False, sample_second_expert=False), 0.02, 0.01).eval()
+    x = torch.randn(4, 32, 64)
+    with torch.no_grad():
+        cpu_out, cpu_loss = layer(x)
+        layer.cuda()
+        gpu_out, gpu_loss = layer(x.cuda())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            bf16_out, _ = layer(x.cuda())
+    torch.testing.assert_close(gpu_out.cpu(), cpu_out, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gpu_loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bf16_out.float().cpu(), cpu_out, rtol=5e-2, atol=5e-2)
+
+
+def test_moe_training_run_on_cuda(tmp_path):
+    corpus = write_corpus(tmp_path)
+    config = tiny_config(corpus, train_iters=30, eval_interval=30, eval_at_start=True, lr=1e-2, min_lr=1e-3,
+                         bf16=True, num_experts=4, topk=2)
+    result = Trainer(config, cuda_grid()).train()
+    (_, first), (_, last) = result.validation
+    assert last < first - 0.5
