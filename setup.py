@@ -53,6 +53,8 @@ setup(
             "megatron-pretrain-gpt=megatron.gpt_pretrain:main",
             "megatron-preprocess-data=megatron.data.preprocess:main",
             "megatron-train-tokenizer=megatron.data.tokenizer_training:main",
+            "ds_io=megatron.ops.io_bench:main",
+            "ds_nvme_tune=megatron.ops.nvme_tune:main",
         ]
     },
 )
