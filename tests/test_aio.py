@@ -153,10 +153,13 @@ def test_validate_detects_a_changed_file(tmp_path):
     # against it, so the bytes read no longer match the file.
     handle = aio.aio_handle()
     path = tmp_path / "t.bin"
-    handle.write(random_bytes(4096), path)
-    out = torch.empty(4096, dtype=torch.uint8)
+    data = random_bytes(4096)
+    handle.write(data, path)
+    out = torch.zeros(4096, dtype=torch.uint8)
     handle.pread(out, path, True, True)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not torch.equal(out, data) and time.monotonic() < deadline:  # the read has landed
+        time.sleep(0.05)
     path.write_bytes(bytes(4096))
     with pytest.raises(OSError, match="validation failed") as raised:
         handle.wait()
