@@ -1,14 +1,27 @@
 """Learning-rate schedules. `AnnealingLR` is Megatron's: linear warmup from 0, then constant,
 linear or cosine decay to min_lr. Steps are counted in whatever unit the caller chooses
 (iterations, samples or tokens) through `increment`, as Megatron counts samples or tokens.
+
+DeepSpeed's schedules live in `deepspeed_schedules.py`; `build_scheduler` here turns a config's
+`"scheduler": {"type", "params"}` into one of them, checking names before anything is built.
 """
 
+import difflib
+import inspect
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from megatron.errors import ConfigError
+from megatron.runtime.deepspeed_schedules import (
+    LRRangeTest,
+    OneCycle,
+    Schedule,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+)
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -71,3 +84,37 @@ class AnnealingLR:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_steps = int(state["num_steps"])
         self._apply()
+
+
+SCHEDULES: dict[str, type[Schedule]] = {
+    "LRRangeTest": LRRangeTest,
+    "OneCycle": OneCycle,
+    "WarmupLR": WarmupLR,
+    "WarmupDecayLR": WarmupDecayLR,
+    "WarmupCosineLR": WarmupCosineLR,
+}
+
+
+def _nearest(name: str, choices: Sequence[str]) -> str:
+    by_lower = {choice.lower(): choice for choice in choices}
+    match = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.5)
+    return f" (did you mean {by_lower[match[0]]!r}?)" if match else ""
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str, params: dict[str, Any]) -> Schedule:
+    """Build the schedule a config's `"scheduler": {"type", "params"}` names; bad input is a ConfigError."""
+    if type_name not in SCHEDULES:
+        raise ConfigError(f"unknown scheduler type {type_name!r}{_nearest(type_name, list(SCHEDULES))}; "
+                          f"use one of {', '.join(SCHEDULES)}")
+    cls = SCHEDULES[type_name]
+    signature = inspect.signature(cls.__init__).parameters
+    allowed = [name for name in signature if name not in ("self", "optimizer")]
+    unknown = [key for key in params if key not in allowed]
+    if unknown:
+        hints = "".join(_nearest(key, allowed) for key in unknown)
+        raise ConfigError(f"scheduler {type_name} has no parameter {', '.join(map(repr, unknown))}{hints}; "
+                          f"allowed: {', '.join(allowed)}")
+    missing = [name for name in allowed if signature[name].default is inspect.Parameter.empty and name not in params]
+    if missing:
+        raise ConfigError(f"scheduler {type_name} needs {', '.join(missing)} in its params")
+    return cls(optimizer, **params)
