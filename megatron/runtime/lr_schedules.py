@@ -9,7 +9,8 @@ DeepSpeed's schedules live in `deepspeed_schedules.py`; `build_scheduler` here t
 import difflib
 import inspect
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

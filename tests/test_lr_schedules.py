@@ -1,0 +1,223 @@
+"""DeepSpeed-style LR schedules against their formulas, written out again here independently."""
+
+import json
+import math
+import zlib
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+import pytest
+import torch
+
+from megatron.errors import ConfigError
+from megatron.runtime.lr_range_test import main as range_test_main
+from megatron.runtime.lr_schedules import SCHEDULES, build_scheduler
+
+W, T = 10, 50
+TS = [-1, 0, 1, 2, W - 2, W - 1, W, W + 1, 25, T - 1, T, T + 1, T + 20]
+
+
+def adam(lr: float = 0.5, groups: int = 1) -> torch.optim.Optimizer:
+    params = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr * (g + 1)} for g in range(groups)]
+    return torch.optim.Adam(params, lr=lr)
+
+
+def values_at(type_name: str, params: dict[str, Any], ts: list[int], groups: int = 1) -> list[list[float]]:
+    """The lr of every group at each t, reached by stepping (t = -1 is the construction value)."""
+    optimizer = adam(groups=groups)
+    schedule = build_scheduler(optimizer, type_name, params)
+    seen: dict[int, list[float]] = {}
+    for t in range(-1, max(ts) + 1):
+        assert schedule.last_batch_iteration == t
+        seen[t] = [group["lr"] for group in optimizer.param_groups]
+        assert schedule.get_last_lr() == seen[t] == schedule.get_lr()
+        schedule.step()
+    return [seen[t] for t in ts]
+
+
+def check(type_name: str, params: dict[str, Any], expected: Callable[[int, float], float], groups: int = 1) -> None:
+    got = values_at(type_name, params, TS, groups)
+    base = [0.5 * (g + 1) for g in range(groups)]
+    assert got == [pytest.approx([expected(t, b) for b in base], abs=1e-12) for t in TS]
+
+
+@pytest.mark.parametrize("staircase", [False, True])
+def test_lr_range_test(staircase: bool) -> None:
+    params = {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 4,
+              "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": staircase}
+
+    def lr(t: int, _: float) -> float:
+        interval = (t + 1) / 4
+        return 1e-3 * (1 + 2.0 * (math.floor(interval) if staircase else interval))
+    check("LRRangeTest", params, lr)
+
+
+def warm(t: int, warmup_type: str) -> float:
+    w = max(2, W)
+    return math.log(t + 1) / math.log(w) if warmup_type == "log" else t / w
+
+
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_warmup_lr(warmup_type: str) -> None:
+    params = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.2, "warmup_num_steps": W, "warmup_type": warmup_type}
+
+    def lr(t: int, _: float) -> float:
+        gamma = 0.0 if t < 0 else warm(t, warmup_type) if t < W else 1.0
+        return 0.01 + 0.19 * gamma
+    check("WarmupLR", params, lr)
+
+
+def test_warmup_lr_defaults_to_each_groups_lr_and_tiny_warmup_is_two() -> None:
+    check("WarmupLR", {"warmup_num_steps": W}, lambda t, b: 0.0 if t < 0 else b * (warm(t, "log") if t < W else 1), 2)
+    got = values_at("WarmupLR", {"warmup_num_steps": 1, "warmup_type": "linear"}, [0, 1, 2])
+    assert got == [[0.0], [0.25], [0.5]]  # W = max(2, 1)
+
+
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_warmup_decay_lr(warmup_type: str) -> None:
+    params = {"total_num_steps": T, "warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+              "warmup_num_steps": W, "warmup_type": warmup_type}
+
+    def lr(t: int, _: float) -> float:
+        if t < 0:
+            return 0.0
+        gamma = warm(t, warmup_type) if t < W else max(0.0, (T - t) / max(1, T - W))
+        return 0.1 * gamma
+    check("WarmupDecayLR", params, lr)
+
+
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_warmup_cosine_lr_is_a_ratio_of_each_groups_lr(warmup_type: str) -> None:
+    params = {"total_num_steps": T, "warmup_min_ratio": 0.1, "warmup_num_steps": W,
+              "cos_min_ratio": 0.05, "warmup_type": warmup_type}
+
+    def lr(t: int, base: float) -> float:
+        if t < 0:
+            return 0.0
+        if t < W:
+            return base * (0.1 + 0.9 * warm(t, warmup_type))
+        p = min(1.0, (t - W + 1) / max(1, T - W))
+        return base * max(0.0, 0.05 + 0.95 * (1 + math.cos(math.pi * p)) / 2)
+    check("WarmupCosineLR", params, lr, groups=2)
+
+
+def one_cycle(t: int, s1: int, s2: int, stairs: tuple[int, int] = (0, 0)) -> float:
+    """The cycle's scale in [0, 1] at t (issue 5's formula, exact in fractions; a stair count
+    floors the scale of its half to multiples of 1/count)."""
+    size, b = s1 + s2, t + 1
+    x = 1 + Fraction(b, size) - math.floor(1 + Fraction(b, size))
+    r = Fraction(s1, size)
+    scale, count = (x / r, stairs[0]) if x <= r else ((x - 1) / (r - 1), stairs[1])
+    return float(Fraction(math.floor(scale * count), count) if count else scale)
+
+
+@pytest.mark.parametrize("stairs", [(0, 0), (2, 3)])
+def test_one_cycle_lr_and_momentum(stairs: tuple[int, int]) -> None:
+    s1, s2, dss = 6, 12, 5
+    optimizer = adam()
+    schedule = build_scheduler(optimizer, "OneCycle", {
+        "cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "decay_lr_rate": 0.5, "cycle_first_step_size": s1,
+        "cycle_second_step_size": s2, "cycle_first_stair_count": stairs[0], "cycle_second_stair_count": stairs[1],
+        "decay_step_size": dss, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01})
+    for t in range(-1, 40):
+        if t < s1 + s2:
+            scale = one_cycle(t, s1, s2, stairs)
+            lr, beta1 = 0.01 + 0.09 * scale, 0.95 - 0.1 * scale
+        else:
+            d = t - (s1 + s2) + 1
+            lr, beta1 = 0.01 / (1 + 0.5 * d / dss), 0.95 * (1 + 0.01 * d / dss)
+        group = optimizer.param_groups[0]
+        assert (group["lr"], group["betas"][0]) == (pytest.approx(lr, abs=1e-12), pytest.approx(beta1, abs=1e-12))
+        assert group["betas"][1] == 0.99
+        schedule.step()
+    peak = values_at("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": s1,
+                                   "cycle_second_step_size": s2, "cycle_first_stair_count": stairs[0]}, [s1 - 1])
+    assert peak == [[pytest.approx(1.0)]]
+
+
+def test_one_cycle_without_decay_holds_the_floor_and_sgd_keeps_its_momentum() -> None:
+    got = values_at("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2}, [3, 4, 30])
+    assert got == [[0.01], [0.01], [0.01]]
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0, momentum=0.9)
+    with pytest.warns(UserWarning, match="no betas"):
+        build_scheduler(sgd, "OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1})
+    assert "betas" not in sgd.param_groups[0] and sgd.param_groups[0]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("type_name,params", [
+    ("LRRangeTest", {"lr_range_test_step_size": 3, "lr_range_test_staircase": True}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3, "decay_lr_rate": 0.1,
+                  "decay_step_size": 2}),
+    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5}),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5}),
+])
+def test_state_dict_round_trip_resumes_identically(type_name: str, params: dict[str, Any]) -> None:
+    straight = values_at(type_name, params, list(range(-1, 25)))
+    optimizer = adam()
+    first = build_scheduler(optimizer, type_name, params)
+    for _ in range(9):
+        first.step()
+    state = json.loads(json.dumps(first.state_dict()))  # the engine stores it as JSON
+    resumed_optimizer = adam(lr=123.0)  # an lr restored from the checkpoint must not shift the schedule
+    resumed = build_scheduler(resumed_optimizer, type_name, params)
+    resumed.load_state_dict(state)
+    tail = []
+    for _ in range(9, 25):
+        tail.append([g["lr"] for g in resumed_optimizer.param_groups])
+        resumed.step()
+    assert tail == straight[9:25]  # straight[i] is t = i - 1; we resumed at t = 8
+
+
+@pytest.mark.parametrize("type_name,params,message", [
+    ("WarmupCosine", {}, "did you mean 'WarmupCosineLR'"),
+    ("Cyclic", {}, "use one of LRRangeTest, OneCycle"),
+    ("WarmupLR", {"warmup_steps": 5}, "no parameter 'warmup_steps' .*warmup_num_steps.*allowed:"),
+    ("WarmupDecayLR", {}, "needs total_num_steps"),
+    ("LRRangeTest", {"lr_range_test_step_size": 0}, "lr_range_test_step_size must be a positive integer"),
+    ("LRRangeTest", {"lr_range_test_step_rate": 0}, "lr_range_test_step_rate must be > 0"),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.0}, "lr_range_test_min_lr must be > 0"),
+    ("LRRangeTest", {"lr_range_test_min_lr": [0.1, 0.2]}, "2 values for 1 param groups"),
+    ("WarmupLR", {"warmup_type": "cosine"}, "unknown warmup_type 'cosine'"),
+    ("WarmupLR", {"warmup_num_steps": 0}, "warmup_num_steps must be a positive integer"),
+    ("WarmupLR", {"warmup_min_lr": 0.9}, "warmup_min_lr 0.9 exceeds warmup_max_lr"),
+    ("WarmupLR", {"warmup_min_lr": -1.0}, "must be non-negative"),
+    ("WarmupDecayLR", {"total_num_steps": 5, "warmup_num_steps": 10}, r"total_num_steps \(5\) is less than"),
+    ("WarmupCosineLR", {"total_num_steps": 5, "warmup_num_steps": 10}, r"total_num_steps \(5\) is less than"),
+    ("WarmupCosineLR", {"total_num_steps": 0}, "total_num_steps must be a positive integer"),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "cos_min_ratio": 2}, "cos_min_ratio must be"),
+    ("WarmupCosineLR", {"total_num_steps": 2000, "warmup_type": "exp"}, "unknown warmup_type 'exp'"),
+    ("OneCycle", {"cycle_min_lr": 0.2, "cycle_max_lr": 0.1}, "cycle_min_lr <= cycle_max_lr"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_step_size": 0}, "cycle_first_step_size"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_second_step_size": -3}, "cycle_second_step_size"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_stair_count": -1}, "stair_count"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "decay_lr_rate": 0.1}, "need decay_step_size > 0"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "decay_mom_rate": -1}, "must be >= 0"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_min_mom": 0.95}, "cycle_min_mom <= cycle_max_mom"),
+])
+def test_invalid_parameters_are_one_clear_config_error(type_name: str, params: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_scheduler(adam(), type_name, params)
+
+
+def test_registry_names_match_deepspeed() -> None:
+    assert list(SCHEDULES) == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+
+def test_lr_range_test_tool_writes_a_valid_png_and_json(tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "range.png"
+    range_test_main(["--steps", "60", "--step-size", "5", "--output", str(out)])
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    offset, idat = 8, b""
+    while offset < len(data):
+        length = int.from_bytes(data[offset:offset + 4], "big")
+        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
+        assert zlib.crc32(kind + body) == int.from_bytes(data[offset + 8 + length:offset + 12 + length], "big")
+        idat += body if kind == b"IDAT" else b""
+        offset += 12 + length
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert 0 < len(record["points"]) <= 60 and record["suggested_lr"] > 0
+    assert "suggested max lr" in capsys.readouterr().out
