@@ -139,3 +139,25 @@ def test_unknown_runtime_key_suggests_the_nearest():
         load_runtime_config({"train_batch_size": 4, "gradient_cliping": 1.0}, dp_size=1)
     with pytest.raises(ConfigError, match="fp16.initial_scale_powr.*'initial_scale_power'"):
         load_runtime_config({"train_batch_size": 4, "fp16": {"initial_scale_powr": 8}}, dp_size=1)
+
+
+def test_config_scheduler_drives_the_learning_rate():
+    engine = initialize(small_model(), {
+        "train_batch_size": 2, "optimizer": {"params": {"lr": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                                      "warmup_num_steps": 4, "warmup_type": "linear"}},
+    }, SINGLE)
+    seen = []
+    for _ in range(6):
+        seen.append(engine.get_lr()[0])
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+    # optimizer step n runs at t = n - 1; linear warmup gives 0.1 * t / 4 until t = 4
+    assert seen == pytest.approx([0.0, 0.0, 0.025, 0.05, 0.075, 0.1])
+
+
+def test_unknown_scheduler_and_unimplemented_zero_stage_are_clear_errors():
+    with pytest.raises(ConfigError, match="WarmupCosineLR"):
+        initialize(small_model(), {"train_batch_size": 2, "scheduler": {"type": "WarmupCosine"}}, SINGLE)
+    with pytest.raises(ConfigError, match="ZeRO stage 2 is not implemented yet"):
+        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 2}}, dp_size=1)

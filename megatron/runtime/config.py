@@ -37,11 +37,29 @@ class BF16Config(_Section):
     enabled: bool = False
 
 
+class SchedulerConfig(_Section):
+    type: str
+    params: dict[str, Any] = {}
+
+
+class ZeroConfig(_Section):
+    stage: int = 0
+
+    def model_post_init(self, context: Any) -> None:
+        if self.stage != 0:
+            raise ValueError(
+                f"ZeRO stage {self.stage} is not implemented yet in this toolkit (only stage 0); "
+                "remove zero_optimization.stage or set it to 0"
+            )
+
+
 class RuntimeConfig(_Section):
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
     optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig = ZeroConfig()
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
     gradient_clipping: float = 0.0
@@ -59,7 +77,7 @@ def _explain(error: ValidationError, source: str) -> str:
         close = difflib.get_close_matches(str(first["loc"][-1]), section.model_fields, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else "; remove it"
         return f"unknown key {where!r} in {source}{hint}"
-    return f"bad value for {where!r} in {source}: {first['msg']}"
+    return f"bad value for {where!r} in {source}: {first['msg'].removeprefix('Value error, ')}"
 
 
 def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> RuntimeConfig:

@@ -21,7 +21,8 @@ from torch import nn
 from megatron.parallel import ParallelGrid
 from megatron.runtime.config import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
-from megatron.errors import CheckpointError
+from megatron.runtime.lr_schedules import build_scheduler
+from megatron.errors import CheckpointError, ConfigError
 from megatron.runtime.state_io import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
     save_rng_state, save_tensors,
@@ -70,6 +71,13 @@ class Engine:
         self.config = config
         self.parallel = parallel
         self.optimizer = optimizer or build_optimizer(self.module, config)
+        if lr_scheduler is not None and config.scheduler is not None:
+            raise ConfigError(
+                f"a scheduler object was passed and the config also names scheduler {config.scheduler.type!r}; "
+                "give only one of them"
+            )
+        if config.scheduler is not None:
+            lr_scheduler = build_scheduler(self.optimizer, config.scheduler.type, config.scheduler.params)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = build_loss_scaler(config)
         self.gradient_accumulation_steps = config.gradient_accumulation_steps or 1
