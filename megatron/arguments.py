@@ -5,13 +5,15 @@ Unknown flags and contradictions stop here, with one sentence, before any work i
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+from megatron.deepspeed_config import explicit_flags, merge_deepspeed_config
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
-from megatron.runtime.config import RuntimeConfig, resolve_batch_sizes
+from megatron.runtime.config import RuntimeConfig, resolve_batch_sizes, validate_runtime_config
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class TrainingConfig:
     hysteresis: int
     seed: int
     expert_parallel_size: int
+    zero_stage: int
+    deepspeed_scheduler: dict[str, Any] | None  # a DeepSpeed "scheduler" block replaces Megatron's annealing
+    deepspeed_accumulation: int | None  # gradient_accumulation_steps from the DeepSpeed JSON, checked later
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -91,7 +96,7 @@ class PretrainConfig:
     def runtime_config(self, dp_size: int) -> RuntimeConfig:
         """The engine's config for these flags, with batch sizes checked against `dp_size`."""
         t = self.training
-        config = RuntimeConfig(
+        config = validate_runtime_config(dict(
             train_batch_size=t.global_batch_size,
             train_micro_batch_size_per_gpu=t.micro_batch_size,
             optimizer={"type": "AdamW", "params": {
@@ -106,7 +111,9 @@ class PretrainConfig:
             bf16={"enabled": t.precision == "bf16"},
             gradient_clipping=t.clip_grad,
             steps_per_print=self.logging.log_interval,
-        )
+            scheduler=t.deepspeed_scheduler,
+            zero_optimization={"stage": t.zero_stage},
+        ), "the command-line flags")
         return resolve_batch_sizes(config, dp_size)
 
 
@@ -197,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="chosen from the device when omitted")
+    g.add_argument("--deepspeed", action="store_true", help="read --deepspeed_config (Megatron-DeepSpeed's spelling)")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
+                   help="DeepSpeed-style JSON; values must agree with the flags given")
+    g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage (only 0 so far)")
+    parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=100)
@@ -297,7 +309,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
-        expert_parallel_size=args.moe_expert_parallel_size,
+        expert_parallel_size=args.moe_expert_parallel_size, zero_stage=args.zero_stage,
+        deepspeed_scheduler=args.deepspeed_scheduler, deepspeed_accumulation=args.deepspeed_accumulation,
     )
     if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
         raise ConfigError(
@@ -316,8 +329,16 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:
-    """Parse and validate Megatron-style flags; argparse exits with usage on unknown flags."""
-    return config_from_args(build_parser().parse_args(argv))
+    """Parse and validate Megatron-style flags (merged with --deepspeed_config when given);
+    argparse exits with usage on unknown flags."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.deepspeed_config and not args.deepspeed:
+        raise ConfigError("--deepspeed_config is read only with --deepspeed; add --deepspeed")
+    if args.deepspeed_config:
+        args = merge_deepspeed_config(args, explicit_flags(parser, argv))
+    return config_from_args(args)
 
 
 def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainConfig:
@@ -340,4 +361,12 @@ def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainCon
             f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp_size}; change one of them"
         )
+    accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
+    if t.deepspeed_accumulation is not None and t.deepspeed_accumulation != accumulation:
+        raise ConfigError(
+            f"gradient_accumulation_steps {t.deepspeed_accumulation} in {config.flags['deepspeed_config']} disagrees "
+            f"with global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x {dp_size} ranks) "
+            f"= {accumulation}; fix one of them"
+        )
+    config.runtime_config(dp_size)  # every runtime setting, checked before any work
     return config

@@ -81,7 +81,7 @@ class Trainer:
         t = config.training
         runtime = config.runtime_config(grid.dp_size)
         optimizer = build_optimizer(model, runtime)
-        scheduler = AnnealingLR(
+        scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
             optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
             decay_steps=t.lr_decay_tokens, decay_style=t.lr_decay_style, increment=t.tokens_per_iteration,
         )

@@ -80,20 +80,29 @@ def _explain(error: ValidationError, source: str) -> str:
     return f"bad value for {where!r} in {source}: {first['msg'].removeprefix('Value error, ')}"
 
 
-def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> RuntimeConfig:
-    """Validate a DeepSpeed-style config (a dict or a JSON file) and resolve its batch sizes."""
-    source = "the runtime config"
-    if not isinstance(config, dict):
-        source = str(config)
-        try:
-            config = json.loads(Path(config).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read the runtime config {source}: {exc}") from None
+def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
-        parsed = RuntimeConfig.model_validate(config)
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the runtime config {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"the runtime config {path} must hold a JSON object")
+    return config
+
+
+def validate_runtime_config(config: dict[str, Any], source: str = "the runtime config") -> RuntimeConfig:
+    """Check a DeepSpeed-style config's keys and values (batch sizes not yet resolved)."""
+    try:
+        return RuntimeConfig.model_validate(config)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, source)) from None
-    return resolve_batch_sizes(parsed, dp_size)
+
+
+def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> RuntimeConfig:
+    """Validate a DeepSpeed-style config (a dict or a JSON file) and resolve its batch sizes."""
+    if isinstance(config, dict):
+        return resolve_batch_sizes(validate_runtime_config(config), dp_size)
+    return resolve_batch_sizes(validate_runtime_config(read_config_file(config), str(config)), dp_size)
 
 
 def resolve_batch_sizes(config: RuntimeConfig, dp_size: int) -> RuntimeConfig:
