@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="read --deepspeed_config (Megatron-DeepSpeed's spelling)")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed-style JSON; values must agree with the flags given")
-    g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage (only 0 so far)")
+    g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned) or 2 (also gradients)")
     parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")

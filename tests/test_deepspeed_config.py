@@ -49,8 +49,8 @@ def test_accumulation_and_zero_stage_checks(tmp_path):
     accumulation = parse_args(ds_args(tmp_path, {"train_batch_size": 8, "gradient_accumulation_steps": 3}))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps 3 in .* disagrees .* = 4"):
         with_data_parallel_size(accumulation, 1)
-    with pytest.raises(ConfigError, match="ZeRO stage 2 is not implemented yet"):
-        parse_args(ds_args(tmp_path, {"zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError, match="ZeRO stage 3 is not implemented yet"):
+        parse_args(ds_args(tmp_path, {"zero_optimization": {"stage": 3}}))
     with pytest.raises(ConfigError, match="ZeRO stage 3 is not implemented yet"):
         with_data_parallel_size(parse_args(BASE + ["--zero-stage", "3"]), 1)
 

@@ -136,3 +136,15 @@ def test_router_loss_is_weighted_aux_plus_z_loss():
     gating, logits = plain.router(x.reshape(-1, H))
     torch.testing.assert_close(plain_loss, 0.5 * gating.l_aux)
     torch.testing.assert_close(z_loss - plain_loss, 0.1 * torch.logsumexp(logits, dim=-1).square().mean())
+
+
+def test_expert_biases_get_no_weight_decay_and_expert_matrices_do():
+    from megatron.runtime.config import RuntimeConfig
+    from megatron.runtime.engine import build_optimizer
+
+    layer = make_layer(4, MoEConfig())
+    optimizer = build_optimizer(layer, RuntimeConfig(optimizer={"params": {"weight_decay": 0.1}}))
+    decay = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    e = layer.experts
+    assert {id(e.w1), id(e.w2), id(layer.router.weight)} <= decay
+    assert not {id(e.b1), id(e.b2)} & decay

@@ -159,5 +159,5 @@ def test_config_scheduler_drives_the_learning_rate():
 def test_unknown_scheduler_and_unimplemented_zero_stage_are_clear_errors():
     with pytest.raises(ConfigError, match="WarmupCosineLR"):
         initialize(small_model(), {"train_batch_size": 2, "scheduler": {"type": "WarmupCosine"}}, SINGLE)
-    with pytest.raises(ConfigError, match="ZeRO stage 2 is not implemented yet"):
-        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 2}}, dp_size=1)
+    with pytest.raises(ConfigError, match="ZeRO stage 3 is not implemented yet"):
+        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}}, dp_size=1)

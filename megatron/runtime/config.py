@@ -46,10 +46,10 @@ class ZeroConfig(_Section):
     stage: int = 0
 
     def model_post_init(self, context: Any) -> None:
-        if self.stage != 0:
+        if self.stage not in (0, 1, 2):
             raise ValueError(
-                f"ZeRO stage {self.stage} is not implemented yet in this toolkit (only stage 0); "
-                "remove zero_optimization.stage or set it to 0"
+                f"ZeRO stage {self.stage} is not implemented yet in this toolkit (only stages 0, 1 and 2); "
+                "set zero_optimization.stage to 0, 1 or 2"
             )
 
 

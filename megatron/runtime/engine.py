@@ -4,6 +4,8 @@ the optimizer step and the LR schedule, for any torch.nn.Module.
 Gradients are accumulated unscaled by the number of micro-batches; at the boundary one pass
 folds the data-parallel average, the accumulation average, the loss-scale removal and the
 clipping coefficient into a single multiply, so the step costs what a bare loop's step costs.
+With ZeRO stage 1 or 2 the optimizer updates this rank's flat fp32 shards (megatron/runtime/zero/)
+and the updated shards are gathered back into the model's parameters.
 """
 
 import json
@@ -25,8 +27,9 @@ from megatron.runtime.lr_schedules import build_scheduler
 from megatron.errors import CheckpointError, ConfigError
 from megatron.runtime.state_io import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
-    save_rng_state, save_tensors,
+    optimizer_groups, save_rng_state, save_tensors,
 )
+from megatron.runtime.zero import build_partitions, load_partition_state, partition_state_entries
 
 
 def build_optimizer(model: nn.Module, config: RuntimeConfig) -> torch.optim.Optimizer:
@@ -37,9 +40,11 @@ def build_optimizer(model: nn.Module, config: RuntimeConfig) -> torch.optim.Opti
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     trainable = [p for p in model.parameters() if p.requires_grad]
+    # a stacked expert tensor has one leading dimension more than the tensor of one expert
+    is_matrix = {p: p.dim() - (expert_ids(p) is not None) >= 2 for p in trainable}
     groups = [
-        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in trainable if is_matrix[p]], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if not is_matrix[p]], "weight_decay": 0.0},
     ]
     optimizer_class = torch.optim.AdamW if config.optimizer.type == "AdamW" or adam_w_mode else torch.optim.Adam
     return optimizer_class([g for g in groups if g["params"]], fused=True, **params)
@@ -92,6 +97,11 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self._broadcast_parameters()
+        self.zero_stage = config.zero_optimization.stage
+        # from here on the optimizer's groups hold this rank's shards, not the model's parameters
+        self.partitions = build_partitions(
+            self.optimizer, self.param_names, parallel.dp_group, parallel.expert_dp_group
+        ) if self.zero_stage else []
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the
@@ -99,7 +109,7 @@ class Engine:
         grid = self.parallel
         for tensor in self.module.state_dict(keep_vars=True).values():
             group = grid.expert_dp_group if expert_ids(tensor) else grid.dp_group
-            if group is not None and dist.get_world_size(group) > 1:
+            if _is_parallel(group):
                 dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
 
     def autocast(self) -> Any:
@@ -126,7 +136,7 @@ class Engine:
     @staticmethod
     def _sum_over(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         """Sum gradients over a group, one flat buffer per dtype."""
-        if group is None or dist.get_world_size(group) == 1 or not grads:
+        if not _is_parallel(group) or not grads:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in grads:
@@ -137,24 +147,30 @@ class Engine:
             torch._foreach_copy_(same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)])
 
     def _global_sq_norm(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> float:
-        """Squared norm of all gradients of the model: dense ones are replicated, each expert
-        lives on one rank of the expert-parallel group."""
+        """Squared norm of all gradients of the model: each expert lives on one rank of the
+        expert-parallel group; dense gradients are replicated, or under ZeRO split into disjoint
+        shards (over data-parallel ranks, experts over expert-data-parallel ranks)."""
         def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             if not grads:
                 return torch.zeros((), device=self.parallel.device)
             return torch.nn.utils.get_total_norm(grads, foreach=True).float().square()
 
-        expert_sq = sq_norm(expert_grads)
-        if self.parallel.ep_group is not None and self.parallel.ep_size > 1:
-            dist.all_reduce(expert_sq, group=self.parallel.ep_group)
-        return float(sq_norm(dense_grads) + expert_sq)
+        grid = self.parallel
+        dense_sq, expert_sq = sq_norm(dense_grads), sq_norm(expert_grads)
+        if self.partitions:
+            _all_reduce(dense_sq, grid.dp_group)
+            _all_reduce(expert_sq, grid.expert_dp_group)
+        _all_reduce(expert_sq, grid.ep_group)
+        return float(dense_sq + expert_sq)
 
-    def step(self) -> None:
-        """Count a micro-batch; at the accumulation boundary reduce, clip and update."""
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if not boundary:
-            return
+    def _reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Sum gradients over their data-parallel groups; return the (dense, expert) gradients
+        the optimizer will read: the model's, or under ZeRO this rank's shards'."""
+        if self.partitions:
+            for part in self.partitions:
+                part.reduce_gradients(self.zero_stage)
+            return ([p.shard.grad for p in self.partitions if not p.is_expert],
+                    [p.shard.grad for p in self.partitions if p.is_expert])
         for param in (*self.dense_params, *self.expert_params):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -164,6 +180,15 @@ class Engine:
         # an expert's gradient already holds its expert-parallel group's tokens; summing over its
         # copies and dividing by the full data-parallel size makes EP=N equal EP=1
         self._sum_over(expert_grads, self.parallel.expert_dp_group)
+        return dense_grads, expert_grads
+
+    def step(self) -> None:
+        """Count a micro-batch; at the accumulation boundary reduce, clip and update."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        dense_grads, expert_grads = self._reduce_gradients()
         grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.parallel.dp_size
         grad_norm = math.sqrt(self._global_sq_norm(dense_grads, expert_grads)) / divisor
@@ -178,6 +203,8 @@ class Engine:
                 coeff *= clip / (grad_norm + 1e-6)
             torch._foreach_mul_(grads, coeff)
             self.optimizer.step()
+            for part in self.partitions:
+                part.gather_parameters()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(self.last_step_skipped)
@@ -198,7 +225,10 @@ class Engine:
         save_rng_state(staging / f"rng_{suffix}")
         owns = {"owns_dense": grid.is_first_rank, "owns_experts": grid.expert_dp_rank == 0}
         model = model_entries(self.module, **owns)
-        optim, optim_groups = optimizer_entries(self.optimizer, self.param_names, **owns)
+        if self.partitions:  # every rank owns a slice of the optimizer state
+            optim, optim_groups = partition_state_entries(self.optimizer, self.partitions), optimizer_groups(self.optimizer)
+        else:
+            optim, optim_groups = optimizer_entries(self.optimizer, self.param_names, **owns)
         if model:
             save_tensors(staging / f"model_{suffix}", model)
         if optim:
@@ -232,12 +262,20 @@ class Engine:
             raise CheckpointError(f"no checkpoint at {folder} (engine.json is missing); check --load and the tag")
         meta = json.loads(meta_path.read_text())
         load_model_entries(self.module, ShardedReader(folder, "model"))
+        for part in self.partitions:
+            part.copy_from_parameters()
         if load_optimizer:
-            load_optimizer_entries(self.optimizer, self.param_names, ShardedReader(folder, "optimizer"), meta["optimizer_groups"])
+            reader = ShardedReader(folder, "optimizer")
+            if self.partitions:
+                load_partition_state(self.optimizer, self.partitions, reader, meta["optimizer_groups"])
+            else:
+                load_optimizer_entries(self.optimizer, self.param_names, reader, meta["optimizer_groups"])
             if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
-            self.global_steps, self.micro_steps = meta["global_steps"], meta["micro_steps"]
+            # count micro-batches in this run's accumulation: another data-parallel size changes it
+            self.global_steps = meta["global_steps"]
+            self.micro_steps = self.global_steps * self.gradient_accumulation_steps
             self.skipped_steps = meta["skipped_steps"]
         rng_path = folder / f"rng_rank{self.parallel.rank:05d}.safetensors"
         if load_rng and rng_path.is_file():
@@ -246,6 +284,15 @@ class Engine:
             print(f" > {folder} has no RNG state for rank {self.parallel.rank} (saved with another world size): "
                   "random streams start afresh", flush=True)
         return meta["client_state"]
+
+
+def _is_parallel(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    if _is_parallel(group):
+        dist.all_reduce(tensor, group=group)
 
 
 def initialize(

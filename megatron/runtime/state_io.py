@@ -4,11 +4,14 @@ Tensors are saved under global names, so a checkpoint loads under another data- 
 expert-parallel layout: a parameter that carries `expert_global_ids` (dim 0 holds those experts)
 is stored as one entry per expert, `name[g]`; optimizer state is keyed `state_key/param_name`
 the same way. Each rank writes the entries it owns to `{stem}_rank{R}.safetensors`, and a reader
-finds any entry in any of those files.
+finds any entry in any of those files. Under ZeRO an optimizer-state entry covers only the
+elements a rank owns, `state_key/param_name@start:stop` over the flattened tensor; the reader
+joins such pieces back into the whole tensor.
 """
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +45,43 @@ class ShardedReader:
         for path in self.files:
             with safe_open(str(path), framework="pt") as handle:
                 self.file_of.update(dict.fromkeys(handle.keys(), path))
+        self.pieces: dict[str, list[tuple[int, int, str]]] = {}
+        for key in self.file_of:
+            whole, at, span = key.partition("@")
+            if at:
+                start, stop = span.split(":")
+                self.pieces.setdefault(whole, []).append((int(start), int(stop), key))
 
-    def get(self, key: str) -> torch.Tensor:
-        if key not in self.file_of:
+    def has(self, key: str) -> bool:
+        return key in self.file_of or key in self.pieces
+
+    def _read(self, key: str) -> torch.Tensor:
+        with safe_open(str(self.file_of[key]), framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    def get(self, key: str, shape: torch.Size | None = None) -> torch.Tensor:
+        """An entry by name; one saved in pieces is joined (and given `shape` if known)."""
+        if key in self.file_of:
+            return self._read(key)
+        if key not in self.pieces:
             raise CheckpointError(
                 f"{key} is not in the checkpoint {self.files[0].parent}; use the model flags (layers, "
                 "expert counts) of the run that saved it"
             )
-        with safe_open(str(self.file_of[key]), framework="pt") as handle:
-            return handle.get_tensor(key)
+        parts, covered = [], 0
+        for start, stop, piece in sorted(self.pieces[key]):
+            if start != covered:
+                raise CheckpointError(f"{key} lacks elements {covered}:{start} in {self.files[0].parent}; "
+                                      "a rank's optimizer file is missing, load an earlier checkpoint")
+            parts.append(self._read(piece))
+            covered = stop
+        flat = torch.cat(parts)
+        return flat if shape is None else flat.reshape(shape)
 
-    def get_global(self, name: str, ids: tuple[int, ...] | None) -> torch.Tensor:
-        if ids is None or name in self.file_of:
-            return self.get(name)
-        return torch.stack([self.get(f"{name}[{g}]") for g in ids])
+    def get_global(self, name: str, ids: tuple[int, ...] | None, shape: torch.Size | None = None) -> torch.Tensor:
+        if ids is None or self.has(name):
+            return self.get(name, shape)
+        return torch.stack([self.get(f"{name}[{g}]", None if shape is None else shape[1:]) for g in ids])
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -98,31 +124,48 @@ def optimizer_entries(
             if not torch.is_tensor(value):
                 raise CheckpointError(f"optimizer state {key!r} is not a tensor; this optimizer cannot be checkpointed")
             entries.update(global_entries(f"{key}/{names[param]}", value, ids))
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return entries, groups
+    return entries, optimizer_groups(optimizer)
+
+
+def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, betas, weight decay, ...) without its tensors."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def load_optimizer_entries(
     optimizer: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str], reader: ShardedReader,
     saved_groups: list[dict[str, Any]],
 ) -> None:
-    """Rebuild torch's own state-dict form and load it, so torch puts each value on the device and
-    dtype its optimizer implementation expects."""
+    """Each parameter's state, whether saved whole or in ZeRO pieces."""
+    state_keys = optimizer_state_keys(reader)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {
+        index: {key: reader.get_global(f"{key}/{names[p]}", expert_ids(p), p.shape) for key in state_keys[names[p]]}
+        for index, p in enumerate(params) if names[p] in state_keys
+    }
+    load_optimizer_state(optimizer, state, saved_groups)
+
+
+def optimizer_state_keys(reader: ShardedReader) -> dict[str, set[str]]:
+    """The state keys (exp_avg, step, ...) saved for each parameter name."""
+    state_keys: dict[str, set[str]] = {}
+    for entry in reader.file_of:
+        key, name = entry.split("/", 1)
+        state_keys.setdefault(re.split(r"[\[@]", name, maxsplit=1)[0], set()).add(key)
+    return state_keys
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: dict[int, dict[str, torch.Tensor]], saved_groups: list[dict[str, Any]]
+) -> None:
+    """Load through torch's own state-dict form, so torch puts each value on the device and dtype
+    its optimizer implementation expects."""
     current = optimizer.state_dict()
     if len(saved_groups) != len(current["param_groups"]):
         raise CheckpointError(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this run has "
             f"{len(current['param_groups'])}; load with --no-load-optim to start a fresh optimizer"
         )
-    state_keys: dict[str, set[str]] = {}
-    for entry in reader.file_of:
-        key, name = entry.split("/", 1)
-        state_keys.setdefault(name.split("[", 1)[0], set()).add(key)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {
-        index: {key: reader.get_global(f"{key}/{names[p]}", expert_ids(p)) for key in state_keys[names[p]]}
-        for index, p in enumerate(params) if names[p] in state_keys
-    }
     groups = [{**saved, "params": group["params"]} for saved, group in zip(saved_groups, current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

@@ -1,0 +1,53 @@
+"""ZeRO optimizer state <-> checkpoint entries in the global layout.
+
+Each rank writes the elements of each parameter's state that its shards own, as
+`state_key/param_name@start:stop` over the flattened parameter (experts per global id,
+`param_name[g]@start:stop`); scalar state such as Adam's step is written whole as `state_key/param_name`,
+as without ZeRO. Loading joins every parameter's pieces (or takes its whole entry from a run
+without ZeRO) and cuts this rank's slices out of them, so the data-parallel size and the stage
+may change between save and load.
+"""
+
+from typing import Any
+
+import torch
+
+from megatron.runtime.state_io import ShardedReader, load_optimizer_state, optimizer_state_keys
+from megatron.runtime.zero.partition import FlatPartition
+
+
+def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[FlatPartition]) -> dict[str, torch.Tensor]:
+    entries: dict[str, torch.Tensor] = {}
+    for part in partitions:
+        for key, value in optimizer.state.get(part.shard, {}).items():
+            if value.dim() == 0:
+                entries.update({f"{key}/{name}": value.clone() for name in part.names})
+                continue
+            for piece in part.pieces():
+                owned = value[piece.shard_start:piece.shard_start + piece.stop - piece.start]
+                entries[f"{key}/{piece.name}@{piece.start}:{piece.stop}"] = owned.clone()
+    return entries
+
+
+def load_partition_state(
+    optimizer: torch.optim.Optimizer, partitions: list[FlatPartition], reader: ShardedReader,
+    saved_groups: list[dict[str, Any]],
+) -> None:
+    state_keys = optimizer_state_keys(reader)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, part in enumerate(partitions):  # the shards' order in the optimizer's groups
+        for key in sorted(state_keys.get(part.names[0], ())):
+            state.setdefault(index, {})[key] = _shard_value(reader, part, key)
+    load_optimizer_state(optimizer, state, saved_groups)
+
+
+def _shard_value(reader: ShardedReader, part: FlatPartition, key: str) -> torch.Tensor:
+    whole = f"{key}/{part.names[0]}"
+    if whole in reader.file_of and (scalar := reader.get(whole)).dim() == 0:  # Adam's step
+        return scalar
+    value = torch.zeros_like(part.shard)  # the padding past the last parameter stays zero
+    for piece in part.pieces():
+        flat = reader.get(f"{key}/{piece.name}").reshape(-1)
+        value[piece.shard_start:piece.shard_start + piece.stop - piece.start] = flat[piece.start:piece.stop]
+    return value
+

@@ -1,0 +1,166 @@
+"""ZeRO stages 1 and 2 equal stage 0 and a single process, hold about 1/N of the optimizer state
+per rank, and checkpoint in a layout that loads under another stage and data-parallel size."""
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.model.moe import MoEConfig, MoELayer
+from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
+from megatron.runtime import initialize
+from megatron.runtime.engine import Engine
+from megatron.training import Trainer
+from tests.dist_utils import run_distributed
+from tests.training_fixtures import tiny_config, write_corpus
+
+H, GLOBAL_BATCH, MICRO_BATCH, STEPS, SAVE_AT = 15, 8, 2, 5, 3
+# token-wise routing without capacity drops or an aux loss: two ranks on half the batch each
+# see exactly what one process sees on all of it
+ROUTING = MoEConfig(topk=1, drop_tokens=False, use_rts=False, sample_second_expert=False, aux_loss_coeff=0.0)
+
+
+class Net(nn.Module):
+    def __init__(self, moe: bool, ep_group: torch.distributed.ProcessGroup | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.out = nn.Linear(H, H), nn.LayerNorm(H), nn.Linear(H, 1)
+        torch.manual_seed(1)  # experts are initialised by global id, whatever the EP size
+        self.moe = MoELayer(H, 2 * H, 4, ROUTING, init_std=0.2, output_init_std=0.1, ep_group=ep_group) if moe else None
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        h_BSH = self.norm(torch.tanh(self.inp(x_BSH)))
+        if self.moe is not None:
+            h_BSH = h_BSH + self.moe(h_BSH)[0]
+        return self.out(h_BSH)
+
+
+def make_engine(grid: ParallelGrid, moe: bool, stage: int) -> Engine:
+    config = {
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
+    }
+    return initialize(Net(moe, grid.ep_group), config, grid)
+
+
+def train(engine: Engine, first: int, last: int, save: str | None = None) -> None:
+    """Steps first..last-1 of a fixed global batch sequence; this rank takes its share of rows."""
+    grid = engine.parallel
+    rows = GLOBAL_BATCH // grid.dp_size
+    for step in range(first, last):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 3, H, generator=generator), 5 * torch.randn(GLOBAL_BATCH, 3, 1, generator=generator)
+        x, y = x[grid.dp_rank * rows:(grid.dp_rank + 1) * rows], y[grid.dp_rank * rows:(grid.dp_rank + 1) * rows]
+        for micro in range(0, rows, MICRO_BATCH):
+            engine.backward(((engine(x[micro:micro + MICRO_BATCH]) - y[micro:micro + MICRO_BATCH]) ** 2).mean())
+            engine.step()
+        if save is not None and step + 1 == SAVE_AT:
+            engine.save_checkpoint(save, "ckpt")
+
+
+def parameters(engine: Engine, label: str) -> dict[str, torch.Tensor]:
+    """Dense parameters by name, experts by global id."""
+    out = {}
+    for name, param in engine.module.named_parameters():
+        ids = getattr(param, "expert_global_ids", None)
+        if ids is None:
+            out[f"{label}/{name}"] = param.detach().clone()
+        else:
+            out.update({f"{label}/{name}[{g}]": param[i].detach().clone() for i, g in enumerate(ids)})
+    return out
+
+
+def state_numel(engine: Engine) -> int:
+    return sum(v.numel() for state in engine.optimizer.state.values() for v in state.values() if v.dim() > 0)
+
+
+def _two_ranks(save: str) -> dict[str, torch.Tensor]:
+    grids = {ep: build_parallel_grid(torch.device("cpu"), ep_size=ep) for ep in (1, 2)}
+    out: dict[str, torch.Tensor] = {}
+    for moe, ep in ((False, 1), (True, 1), (True, 2)):
+        for stage in (0, 1, 2):
+            engine = make_engine(grids[ep], moe, stage)
+            checkpoint = save if (moe, ep, stage) == (True, 1, 1) else None
+            train(engine, 0, STEPS, checkpoint)
+            out.update(parameters(engine, f"moe{moe:d}-ep{ep}-stage{stage}"))
+            out[f"numel/moe{moe:d}-ep{ep}-stage{stage}"] = torch.tensor(state_numel(engine))
+    resumed = make_engine(grids[2], True, 2)  # saved with EP=1, stage 1: load with EP=2, stage 2
+    resumed.load_checkpoint(save, "ckpt")
+    train(resumed, SAVE_AT, STEPS)
+    out.update(parameters(resumed, "resumed"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[list[dict[str, torch.Tensor]], str]:
+    save = str(tmp_path_factory.mktemp("zero_ckpt"))
+    return run_distributed(_two_ranks, 2, save), save
+
+
+def single_process(moe: bool, load: str | None = None) -> dict[str, torch.Tensor]:
+    engine = make_engine(single_process_grid(torch.device("cpu")), moe, 0)
+    if load is not None:
+        engine.load_checkpoint(load, "ckpt")
+    train(engine, SAVE_AT if load else 0, STEPS)
+    return parameters(engine, "single")
+
+
+@pytest.mark.parametrize("moe, ep", [(False, 1), (True, 1), (True, 2)])
+def test_stages_1_and_2_equal_stage_0_and_one_process(two_ranks, moe, ep):
+    results, _ = two_ranks
+    single = single_process(moe)
+    for rank, result in enumerate(results):
+        for stage in (1, 2):
+            label = f"moe{moe:d}-ep{ep}-stage{stage}"
+            keys = [k for k in result if k.startswith(label + "/")]
+            assert keys
+            for key in keys:
+                name = key.split("/", 1)[1]
+                torch.testing.assert_close(result[key], result[f"moe{moe:d}-ep{ep}-stage0/{name}"], rtol=1e-5,
+                                           atol=1e-6, msg=f"rank {rank} {key} vs stage 0")
+                torch.testing.assert_close(result[key], single[f"single/{name}"], rtol=1e-4, atol=1e-5,
+                                           msg=f"rank {rank} {key} vs one process")
+
+
+def test_optimizer_state_per_rank_is_about_half(two_ranks):
+    results, _ = two_ranks
+    for result in results:
+        for label in ("moe0-ep1", "moe1-ep1"):  # all parameters, experts included, are split over 2 ranks
+            stage0 = int(result[f"numel/{label}-stage0"])
+            for stage in (1, 2):
+                # two groups, each padded by at most one element, for exp_avg and exp_avg_sq
+                assert stage0 / 2 <= int(result[f"numel/{label}-stage{stage}"]) <= stage0 / 2 + 4
+        # with EP=2 on 2 ranks each expert has one copy: only the dense half is split
+        assert int(result["numel/moe1-ep2-stage1"]) < int(result["numel/moe1-ep2-stage0"])
+
+
+def test_checkpoint_from_stage_1_loads_under_stage_0_one_process_and_stage_2_expert_parallel(two_ranks):
+    results, save = two_ranks
+    single = single_process(True, load=save)
+    for rank, result in enumerate(results):
+        for key in (k for k in result if k.startswith("resumed/")):
+            name = key.split("/", 1)[1]
+            uninterrupted = result[f"moe1-ep2-stage0/{name}"]
+            torch.testing.assert_close(result[key], uninterrupted, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+            torch.testing.assert_close(single[f"single/{name}"], uninterrupted, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _trainer_parameters(corpus: str) -> dict[str, torch.Tensor]:
+    grid = build_parallel_grid(torch.device("cpu"))
+    out = {}
+    for stage in (0, 1, 2):
+        config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=4, micro_batch_size=1, global_batch_size=4,
+                             hidden_dropout=0.0, attention_dropout=0.0, zero_stage=stage)
+        trainer = Trainer(config, grid)
+        out[f"{stage}/losses"] = torch.tensor(trainer.train().losses, dtype=torch.float64)
+        out.update({f"{stage}/{name}": p.detach().clone() for name, p in trainer.engine.module.named_parameters()})
+    return out
+
+
+def test_trainer_with_zero_stage_flag_equals_stage_0(tmp_path):
+    corpus = write_corpus(tmp_path)
+    for result in run_distributed(_trainer_parameters, 2, corpus):
+        for key in (k for k in result if k.startswith("0/")):
+            name = key.split("/", 1)[1]
+            for stage in (1, 2):
+                torch.testing.assert_close(result[f"{stage}/{name}"], result[key], rtol=1e-5, atol=1e-6, msg=f"{stage}/{name}")
