@@ -164,3 +164,30 @@ def test_trainer_with_zero_stage_flag_equals_stage_0(tmp_path):
             name = key.split("/", 1)[1]
             for stage in (1, 2):
                 torch.testing.assert_close(result[f"{stage}/{name}"], result[key], rtol=1e-5, atol=1e-6, msg=f"{stage}/{name}")
+
+
+def _four_ranks() -> dict[str, torch.Tensor]:
+    grid = build_parallel_grid(torch.device("cpu"), ep_size=2)  # experts: EP 2 x expert-DP 2
+    out: dict[str, torch.Tensor] = {}
+    for moe in (False, True):
+        for stage in (1, 2):
+            engine = make_engine(grid, moe, stage)
+            train(engine, 0, STEPS)
+            out.update(parameters(engine, f"moe{moe:d}-stage{stage}"))
+            out[f"numel/moe{moe:d}-stage{stage}"] = torch.tensor(state_numel(engine))
+    return out
+
+
+def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state():
+    results = run_distributed(_four_ranks, 4)
+    for moe in (False, True):
+        single = single_process(moe)
+        full_state = 2 * sum(p.numel() for p in Net(moe, None).parameters())  # Adam: exp_avg and exp_avg_sq
+        for rank, result in enumerate(results):
+            for stage in (1, 2):
+                label = f"moe{moe:d}-stage{stage}"
+                for key in (k for k in result if k.startswith(label + "/")):
+                    torch.testing.assert_close(result[key], single[f"single/{key.split('/', 1)[1]}"], rtol=1e-4,
+                                               atol=1e-5, msg=f"rank {rank} {key}")
+                if not moe:  # padding to a multiple of 4 adds at most 3 elements per group
+                    assert int(result[f"numel/{label}"]) <= full_state // 4 + 2 * 3 * 2
