@@ -209,6 +209,8 @@ class Engine:
                 self.lr_scheduler.step()
         self.loss_scaler.update(self.last_step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
+        for part in self.partitions:  # the model's gradients are views of flat buffers: zero, keep
+            part.zero_gradients()
         self.global_steps += 1
 
     def save_checkpoint(self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None) -> Path:
