@@ -45,7 +45,18 @@ def runtime_config(stage: int, micro_batch: int) -> dict:
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of distinct memory: overlapping views (of one flat buffer) count once."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for t in tensors:
+        start = t.storage_offset() * t.element_size()
+        spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + t.numel() * t.element_size()))
+    total = 0
+    for ranges in spans.values():
+        covered = 0
+        for low, high in sorted(ranges):
+            total += max(0, high - max(low, covered))
+            covered = max(covered, high)
+    return total
 
 
 def rank_run(stage: int, micro_batch: int, warmup: int, steps: int) -> dict[str, torch.Tensor]:
