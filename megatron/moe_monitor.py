@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron.parallel import all_reduce
 from megatron.model import GPTModel
 from megatron.model.moe import MoELayer
 
@@ -38,8 +40,7 @@ class MoEMonitor:
         loads = []
         for number, totals in sorted(self.sums.items()):
             flat = torch.cat([totals[key].reshape(-1).double() for key in STAT_KEYS])
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(flat, group=group)
+            all_reduce(flat, group)
             counts, dropped, routed, entropy, tokens = flat.split([flat.numel() - 4, 1, 1, 1, 1])
             mean = counts.mean().item()
             loads.append(LayerLoad(

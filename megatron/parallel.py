@@ -41,6 +41,17 @@ class ParallelGrid:
             dist.barrier()
 
 
+def is_parallel(group: dist.ProcessGroup | None) -> bool:
+    """Whether a collective over `group` has anyone to talk to."""
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Sum `tensor` in place over `group`; nothing to do without one or with a single rank."""
+    if is_parallel(group):
+        dist.all_reduce(tensor, group=group)
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -8,7 +8,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron.arguments import PretrainConfig
 from megatron.checkpointing import load_checkpoint, save_checkpoint
@@ -18,7 +17,7 @@ from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_siz
 from megatron.errors import DataError
 from megatron.model import GPTModel
 from megatron.moe_monitor import MoEMonitor
-from megatron.parallel import ParallelGrid
+from megatron.parallel import ParallelGrid, all_reduce
 from megatron.runtime.engine import Engine, build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.training_log import TrainingLogger
@@ -134,11 +133,9 @@ class Trainer:
                          self.model_config.vocab_size, self.grid.device)
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        if self.grid.dp_size > 1:
-            value = value.clone()
-            dist.all_reduce(value, group=self.grid.dp_group)
-            value /= self.grid.dp_size
-        return float(value)
+        value = value.clone()
+        all_reduce(value, self.grid.dp_group)
+        return float(value / self.grid.dp_size)
 
     def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One global batch: every micro-batch forward + backward, then the engine's step.

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.parallel import ParallelGrid
+from megatron.parallel import ParallelGrid, all_reduce, is_parallel
 from megatron.runtime.config import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler
@@ -109,7 +109,7 @@ class Engine:
         grid = self.parallel
         for tensor in self.module.state_dict(keep_vars=True).values():
             group = grid.expert_dp_group if expert_ids(tensor) else grid.dp_group
-            if _is_parallel(group):
+            if is_parallel(group):
                 dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
 
     def autocast(self) -> Any:
@@ -136,7 +136,7 @@ class Engine:
     @staticmethod
     def _sum_over(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         """Sum gradients over a group, one flat buffer per dtype."""
-        if not _is_parallel(group) or not grads:
+        if not is_parallel(group) or not grads:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in grads:
@@ -158,9 +158,9 @@ class Engine:
         grid = self.parallel
         dense_sq, expert_sq = sq_norm(dense_grads), sq_norm(expert_grads)
         if self.partitions:
-            _all_reduce(dense_sq, grid.dp_group)
-            _all_reduce(expert_sq, grid.expert_dp_group)
-        _all_reduce(expert_sq, grid.ep_group)
+            all_reduce(dense_sq, grid.dp_group)
+            all_reduce(expert_sq, grid.expert_dp_group)
+        all_reduce(expert_sq, grid.ep_group)
         return float(dense_sq + expert_sq)
 
     def _reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -286,15 +286,6 @@ class Engine:
             print(f" > {folder} has no RNG state for rank {self.parallel.rank} (saved with another world size): "
                   "random streams start afresh", flush=True)
         return meta["client_state"]
-
-
-def _is_parallel(group: dist.ProcessGroup | None) -> bool:
-    return group is not None and dist.get_world_size(group) > 1
-
-
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    if _is_parallel(group):
-        dist.all_reduce(tensor, group=group)
 
 
 def initialize(
