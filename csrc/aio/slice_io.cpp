@@ -72,8 +72,9 @@ IoError SliceRunner::run_direct(const Slice& slice, char* user, uint64_t begin, 
     unsigned depth = context_.capacity();
     if (bounce) {
         depth = static_cast<unsigned>(std::min<size_t>(depth, std::max<size_t>(1, kBounceBytes / block)));
-        while (bounce_.size() < depth) bounce_.push_back(std::make_unique<AlignedBuffer>(block, true));
+        if (!bounce_ || bounce_->size() < depth * block) bounce_ = std::make_unique<AlignedBuffer>(depth * block, true);
     }
+    auto bounce_slot = [&](unsigned slot) { return bounce_->data() + static_cast<size_t>(slot) * block; };
 
     std::vector<Request> slots(depth);
     std::vector<unsigned> free_slots;
@@ -96,7 +97,7 @@ IoError SliceRunner::run_direct(const Slice& slice, char* user, uint64_t begin, 
                 request.nbytes = static_cast<size_t>(std::min<uint64_t>(block, end - next));
                 request.file_offset = next;
                 request.user = user + (next - begin);
-                char* io_buffer = bounce ? bounce_[slot]->data() : request.user;
+                char* io_buffer = bounce ? bounce_slot(slot) : request.user;
                 if (bounce && !slice.is_read) std::memcpy(io_buffer, request.user, request.nbytes);
                 std::memset(&request.cb, 0, sizeof(request.cb));
                 request.cb.aio_data = slot;
@@ -116,7 +117,7 @@ IoError SliceRunner::run_direct(const Slice& slice, char* user, uint64_t begin, 
         if (count < 0) return {static_cast<int>(-count), "io_getevents"};
         for (long i = 0; i < count; ++i) {
             const auto slot = static_cast<unsigned>(events[i].data);
-            char* io_buffer = bounce ? bounce_[slot]->data() : slots[slot].user;
+            char* io_buffer = bounce ? bounce_slot(slot) : slots[slot].user;
             IoError error = complete(slice, slots[slot], io_buffer, events[i].res);
             if (!first_error) first_error = error;
             free_slots.push_back(slot);

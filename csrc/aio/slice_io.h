@@ -52,7 +52,9 @@ private:
 
     IoConfig config_;
     AioContext context_;
-    std::vector<std::unique_ptr<AlignedBuffer>> bounce_;
+    // One arena of depth x block bytes, slot i at i x block: one allocation, and large enough for
+    // huge pages (see AlignedBuffer).
+    std::unique_ptr<AlignedBuffer> bounce_;
 };
 
 }  // namespace megatron_aio
