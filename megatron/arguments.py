@@ -60,6 +60,7 @@ class TrainingConfig:
     zero_stage: int
     deepspeed_scheduler: dict[str, Any] | None  # a DeepSpeed "scheduler" block replaces Megatron's annealing
     deepspeed_accumulation: int | None  # gradient_accumulation_steps from the DeepSpeed JSON, checked later
+    deepspeed_zero: dict[str, Any] | None  # the JSON's other zero_optimization keys (buckets, overlap, ...)
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -112,7 +113,7 @@ class PretrainConfig:
             gradient_clipping=t.clip_grad,
             steps_per_print=self.logging.log_interval,
             scheduler=t.deepspeed_scheduler,
-            zero_optimization={"stage": t.zero_stage},
+            zero_optimization={**(t.deepspeed_zero or {}), "stage": t.zero_stage},
         ), "the command-line flags")
         return resolve_batch_sizes(config, dp_size)
 
@@ -207,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="read --deepspeed_config (Megatron-DeepSpeed's spelling)")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed-style JSON; values must agree with the flags given")
-    g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned) or 2 (also gradients)")
-    parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None)
+    g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned), 2 (also gradients) or 3 (also parameters)")
+    parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None, deepspeed_zero=None)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=100)
@@ -311,6 +312,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
         expert_parallel_size=args.moe_expert_parallel_size, zero_stage=args.zero_stage,
         deepspeed_scheduler=args.deepspeed_scheduler, deepspeed_accumulation=args.deepspeed_accumulation,
+        deepspeed_zero=args.deepspeed_zero,
     )
     if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
         raise ConfigError(

@@ -85,6 +85,7 @@ def merge_deepspeed_config(args: argparse.Namespace, explicit: set[str]) -> argp
             )
         merged["deepspeed_scheduler"] = scheduler
     merged["deepspeed_accumulation"] = config.get("gradient_accumulation_steps")
+    merged["deepspeed_zero"] = config.get("zero_optimization")
     return argparse.Namespace(**merged)
 
 

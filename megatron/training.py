@@ -84,8 +84,8 @@ class Trainer:
             optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
             decay_steps=t.lr_decay_tokens, decay_style=t.lr_decay_style, increment=t.tokens_per_iteration,
         )
+        n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
         self.engine = initialize(model, runtime, grid, optimizer=optimizer, lr_scheduler=scheduler)
-        n_params = sum(p.numel() for p in model.parameters())
         self.log.info(f" > GPT model: {n_params:,} parameters on this rank, padded vocabulary {vocab} "
                       f"(tokenizer {self.tokenizer.vocab_size}), data-parallel size {grid.dp_size}, "
                       f"expert-parallel size {grid.ep_size}, experts per layer {self.model_config.experts_per_layer}")

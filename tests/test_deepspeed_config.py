@@ -49,10 +49,16 @@ def test_accumulation_and_zero_stage_checks(tmp_path):
     accumulation = parse_args(ds_args(tmp_path, {"train_batch_size": 8, "gradient_accumulation_steps": 3}))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps 3 in .* disagrees .* = 4"):
         with_data_parallel_size(accumulation, 1)
-    with pytest.raises(ConfigError, match="ZeRO stage 3 is not implemented yet"):
-        parse_args(ds_args(tmp_path, {"zero_optimization": {"stage": 3}}))
-    with pytest.raises(ConfigError, match="ZeRO stage 3 is not implemented yet"):
-        with_data_parallel_size(parse_args(BASE + ["--zero-stage", "3"]), 1)
+    with pytest.raises(ConfigError, match="should be 0, 1, 2 or 3"):
+        parse_args(ds_args(tmp_path, {"zero_optimization": {"stage": 4}}))
+    with pytest.raises(ConfigError, match="should be 0, 1, 2 or 3"):
+        with_data_parallel_size(parse_args(BASE + ["--zero-stage", "4"]), 1)
+    # the JSON's other ZeRO keys reach the runtime config; DeepSpeed writes sizes like 5e8
+    zero = {"stage": 3, "reduce_bucket_size": 5e8, "overlap_comm": False, "stage3_param_persistence_threshold": 0}
+    runtime = with_data_parallel_size(parse_args(ds_args(tmp_path, {"zero_optimization": zero})), 1).runtime_config(1)
+    assert runtime.zero_optimization.stage == 3 and runtime.zero_optimization.reduce_bucket_size == 500_000_000
+    assert not runtime.zero_optimization.overlaps_communication
+    assert runtime.zero_optimization.stage3_param_persistence_threshold == 0
 
 
 def test_config_file_needs_the_deepspeed_flag(tmp_path):

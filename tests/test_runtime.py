@@ -156,8 +156,12 @@ def test_config_scheduler_drives_the_learning_rate():
     assert seen == pytest.approx([0.0, 0.0, 0.025, 0.05, 0.075, 0.1])
 
 
-def test_unknown_scheduler_and_unimplemented_zero_stage_are_clear_errors():
+def test_unknown_scheduler_and_bad_zero_settings_are_clear_errors():
     with pytest.raises(ConfigError, match="WarmupCosineLR"):
         initialize(small_model(), {"train_batch_size": 2, "scheduler": {"type": "WarmupCosine"}}, SINGLE)
-    with pytest.raises(ConfigError, match="ZeRO stage 3 is not implemented yet"):
-        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 3}}, dp_size=1)
+    with pytest.raises(ConfigError, match="zero_optimization.stage.*should be 0, 1, 2 or 3"):
+        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 4}}, dp_size=1)
+    with pytest.raises(ConfigError, match="offload to 'nvme' is not implemented yet"):
+        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, 1)
+    with pytest.raises(ConfigError, match="reduce_bucket_size must be a positive number"):
+        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"reduce_bucket_size": 0}}, dp_size=1)

@@ -1,5 +1,8 @@
-"""ZeRO stages 1 and 2 equal stage 0 and a single process, hold about 1/N of the optimizer state
-per rank, and checkpoint in a layout that loads under another stage and data-parallel size."""
+"""ZeRO stages 1-3 equal stage 0 and a single process, hold about 1/N of the optimizer state
+(and under stage 3 of the parameters) per rank, and checkpoint in a layout that loads under
+another stage and data-parallel size."""
+
+import json
 
 import pytest
 import torch
@@ -34,11 +37,22 @@ class Net(nn.Module):
         return self.out(h_BSH)
 
 
-def make_engine(grid: ParallelGrid, moe: bool, stage: int) -> Engine:
+# stage 3 with every parameter partitioned (no persistent small ones) and a prefetch of about
+# one module; stage 2 with small buckets reduced while backward runs
+ZERO = {
+    0: {"stage": 0}, 1: {"stage": 1}, 2: {"stage": 2},
+    "2-buckets": {"stage": 2, "reduce_bucket_size": 100, "overlap_comm": True},
+    3: {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 300},
+    "3-sync": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": False},
+}
+PARTITIONED = (1, 2, "2-buckets", 3, "3-sync")
+
+
+def make_engine(grid: ParallelGrid, moe: bool, stage: int | str) -> Engine:
     config = {
         "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-        "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.5, "zero_optimization": ZERO[stage],
     }
     return initialize(Net(moe, grid.ep_group), config, grid)
 
@@ -59,14 +73,15 @@ def train(engine: Engine, first: int, last: int, save: str | None = None) -> Non
 
 
 def parameters(engine: Engine, label: str) -> dict[str, torch.Tensor]:
-    """Dense parameters by name, experts by global id."""
+    """Dense parameters by name, experts by global id (gathered whole under stage 3)."""
     out = {}
-    for name, param in engine.module.named_parameters():
-        ids = getattr(param, "expert_global_ids", None)
-        if ids is None:
-            out[f"{label}/{name}"] = param.detach().clone()
-        else:
-            out.update({f"{label}/{name}[{g}]": param[i].detach().clone() for i, g in enumerate(ids)})
+    with engine.whole_parameters():
+        for name, param in engine.module.named_parameters():
+            ids = getattr(param, "expert_global_ids", None)
+            if ids is None:
+                out[f"{label}/{name}"] = param.detach().clone()
+            else:
+                out.update({f"{label}/{name}[{g}]": param[i].detach().clone() for i, g in enumerate(ids)})
     return out
 
 
@@ -74,20 +89,51 @@ def state_numel(engine: Engine) -> int:
     return sum(v.numel() for state in engine.optimizer.state.values() for v in state.values() if v.dim() > 0)
 
 
+def held_parameter_numel(engine: Engine) -> int:
+    """fp32 parameter elements a rank holds between steps, each storage once: the model's tensors
+    (empty while partitioned, views of one buffer under ZeRO) and the master shards."""
+    tensors = [*engine.module.parameters(), *(p.shard for p in engine.partitions)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) // 4
+
+
+LAYER_NUMEL = 16 * 16 + 16  # one layer's weight and bias, each padded to an even length already
+
+
+def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> int:
+    """Most parameter elements gathered at once while training a stack of 8 equal layers under
+    stage 3 (nothing persistent) with the given prefetch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": prefetch}
+    engine = initialize(model, {"train_batch_size": 4, "zero_optimization": zero}, grid)
+    for step in range(3):
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine.zero.gatherer.peak_live_numel
+
+
 def _two_ranks(save: str) -> dict[str, torch.Tensor]:
     grids = {ep: build_parallel_grid(torch.device("cpu"), ep_size=ep) for ep in (1, 2)}
     out: dict[str, torch.Tensor] = {}
     for moe, ep in ((False, 1), (True, 1), (True, 2)):
-        for stage in (0, 1, 2):
+        for stage in (0, *PARTITIONED):
             engine = make_engine(grids[ep], moe, stage)
-            checkpoint = save if (moe, ep, stage) == (True, 1, 1) else None
+            checkpoint = save + f"/stage{stage}" if moe and ep == 1 and stage in (1, 3) else None
             train(engine, 0, STEPS, checkpoint)
-            out.update(parameters(engine, f"moe{moe:d}-ep{ep}-stage{stage}"))
-            out[f"numel/moe{moe:d}-ep{ep}-stage{stage}"] = torch.tensor(state_numel(engine))
-    resumed = make_engine(grids[2], True, 2)  # saved with EP=1, stage 1: load with EP=2, stage 2
-    resumed.load_checkpoint(save, "ckpt")
-    train(resumed, SAVE_AT, STEPS)
-    out.update(parameters(resumed, "resumed"))
+            label = f"moe{moe:d}-ep{ep}-stage{stage}"
+            out[f"numel/{label}"] = torch.tensor(state_numel(engine))
+            out[f"held/{label}"] = torch.tensor(held_parameter_numel(engine))
+            out.update(parameters(engine, label))
+    # saved with EP=1 under stage 1 (stage 3): load with EP=2 under stage 3 (stage 2)
+    for prefetch in (0, 2 * LAYER_NUMEL):
+        out[f"peak/prefetch{prefetch}"] = torch.tensor(deep_stack_peak(grids[1], prefetch))
+    for saved, loaded in ((1, 3), (3, 2)):
+        resumed = make_engine(grids[2], True, loaded)
+        resumed.load_checkpoint(save + f"/stage{saved}", "ckpt")
+        train(resumed, SAVE_AT, STEPS)
+        out.update(parameters(resumed, f"resumed{saved}"))
     return out
 
 
@@ -97,8 +143,8 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict[str, torch.Tensor]], str]:
     return run_distributed(_two_ranks, 2, save), save
 
 
-def single_process(moe: bool, load: str | None = None) -> dict[str, torch.Tensor]:
-    engine = make_engine(single_process_grid(torch.device("cpu")), moe, 0)
+def single_process(moe: bool, load: str | None = None, stage: int = 0) -> dict[str, torch.Tensor]:
+    engine = make_engine(single_process_grid(torch.device("cpu")), moe, stage)
     if load is not None:
         engine.load_checkpoint(load, "ckpt")
     train(engine, SAVE_AT if load else 0, STEPS)
@@ -106,11 +152,11 @@ def single_process(moe: bool, load: str | None = None) -> dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("moe, ep", [(False, 1), (True, 1), (True, 2)])
-def test_stages_1_and_2_equal_stage_0_and_one_process(two_ranks, moe, ep):
+def test_stages_1_to_3_equal_stage_0_and_one_process(two_ranks, moe, ep):
     results, _ = two_ranks
     single = single_process(moe)
     for rank, result in enumerate(results):
-        for stage in (1, 2):
+        for stage in PARTITIONED:
             label = f"moe{moe:d}-ep{ep}-stage{stage}"
             keys = [k for k in result if k.startswith(label + "/")]
             assert keys
@@ -127,50 +173,82 @@ def test_optimizer_state_per_rank_is_about_half(two_ranks):
     for result in results:
         for label in ("moe0-ep1", "moe1-ep1"):  # all parameters, experts included, are split over 2 ranks
             stage0 = int(result[f"numel/{label}-stage0"])
-            for stage in (1, 2):
-                # two groups, each padded by at most one element, for exp_avg and exp_avg_sq
-                assert stage0 / 2 <= int(result[f"numel/{label}-stage{stage}"]) <= stage0 / 2 + 4
+            for stage in PARTITIONED:
+                # exp_avg and exp_avg_sq, each bucket padded by at most one element
+                buckets = 12 if stage in (3, "3-sync", "2-buckets") else 2
+                assert stage0 / 2 <= int(result[f"numel/{label}-stage{stage}"]) <= stage0 / 2 + 2 * buckets
         # with EP=2 on 2 ranks each expert has one copy: only the dense half is split
         assert int(result["numel/moe1-ep2-stage1"]) < int(result["numel/moe1-ep2-stage0"])
 
 
-def test_checkpoint_from_stage_1_loads_under_stage_0_one_process_and_stage_2_expert_parallel(two_ranks):
+def test_stage_3_holds_half_the_parameters_between_steps_and_gathers_one_module_at_a_time(two_ranks):
+    results, _ = two_ranks
+    for result in results:
+        for label in ("moe0-ep1", "moe1-ep1"):
+            whole = int(result[f"held/{label}-stage0"])
+            for stage in (3, "3-sync"):
+                assert whole / 2 <= int(result[f"held/{label}-stage{stage}"]) <= whole / 2 + 12
+        assert int(result["held/moe1-ep2-stage3"]) < int(result["held/moe1-ep2-stage0"])
+        # one layer at a time without prefetch; with a prefetch of two layers, three at most
+        assert int(result["peak/prefetch0"]) == LAYER_NUMEL
+        assert 2 * LAYER_NUMEL <= int(result[f"peak/prefetch{2 * LAYER_NUMEL}"]) <= 3 * LAYER_NUMEL
+
+
+@pytest.mark.parametrize("saved", [1, 3])
+def test_checkpoint_from_stage_1_or_3_loads_under_one_process_and_other_stages_expert_parallel(two_ranks, saved):
     results, save = two_ranks
-    single = single_process(True, load=save)
+    single = single_process(True, load=f"{save}/stage{saved}")
     for rank, result in enumerate(results):
-        for key in (k for k in result if k.startswith("resumed/")):
+        keys = [k for k in result if k.startswith(f"resumed{saved}/")]
+        assert keys
+        for key in keys:
             name = key.split("/", 1)[1]
             uninterrupted = result[f"moe1-ep2-stage0/{name}"]
             torch.testing.assert_close(result[key], uninterrupted, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
             torch.testing.assert_close(single[f"single/{name}"], uninterrupted, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def _trainer_parameters(corpus: str) -> dict[str, torch.Tensor]:
+# GPT with a tied embedding (read again by the LM head), MoE layers and recomputed activations
+RUNS = {
+    "dense": {}, "moe": {"num_experts": 4, "checkpoint_activations": True},
+}
+
+
+def _trainer_parameters(corpus: str, stage3_json: str) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"))
     out = {}
-    for stage in (0, 1, 2):
-        config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=4, micro_batch_size=1, global_batch_size=4,
-                             hidden_dropout=0.0, attention_dropout=0.0, zero_stage=stage)
-        trainer = Trainer(config, grid)
-        out[f"{stage}/losses"] = torch.tensor(trainer.train().losses, dtype=torch.float64)
-        out.update({f"{stage}/{name}": p.detach().clone() for name, p in trainer.engine.module.named_parameters()})
+    for run, flags in RUNS.items():
+        for stage in (0, 1, 2, 3):
+            zero = {"zero_stage": stage} if stage < 3 else {"deepspeed": True, "deepspeed_config": stage3_json}
+            config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=4, micro_batch_size=1, global_batch_size=4,
+                                 hidden_dropout=0.0, attention_dropout=0.0, **zero, **flags)
+            trainer = Trainer(config, grid)
+            out[f"{run}{stage}/losses"] = torch.tensor(trainer.train().losses, dtype=torch.float64)
+            with trainer.engine.whole_parameters():
+                out.update({f"{run}{stage}/{name}": p.detach().clone() for name, p in trainer.engine.module.named_parameters()})
     return out
 
 
-def test_trainer_with_zero_stage_flag_equals_stage_0(tmp_path):
+def test_trainer_with_zero_stage_flag_or_json_equals_stage_0(tmp_path):
     corpus = write_corpus(tmp_path)
-    for result in run_distributed(_trainer_parameters, 2, corpus):
-        for key in (k for k in result if k.startswith("0/")):
-            name = key.split("/", 1)[1]
-            for stage in (1, 2):
-                torch.testing.assert_close(result[f"{stage}/{name}"], result[key], rtol=1e-5, atol=1e-6, msg=f"{stage}/{name}")
+    stage3_json = tmp_path / "ds.json"
+    stage3_json.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    for result in run_distributed(_trainer_parameters, 2, corpus, str(stage3_json)):
+        for run in RUNS:
+            keys = [k for k in result if k.startswith(f"{run}0/")]
+            assert len(keys) > 5
+            for key in keys:
+                name = key.split("/", 1)[1]
+                for stage in (1, 2, 3):
+                    torch.testing.assert_close(result[f"{run}{stage}/{name}"], result[key], rtol=1e-5, atol=1e-6,
+                                               msg=f"{run}{stage}/{name}")
 
 
 def _four_ranks() -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"), ep_size=2)  # experts: EP 2 x expert-DP 2
     out: dict[str, torch.Tensor] = {}
     for moe in (False, True):
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             engine = make_engine(grid, moe, stage)
             train(engine, 0, STEPS)
             out.update(parameters(engine, f"moe{moe:d}-stage{stage}"))
@@ -184,10 +262,10 @@ def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state():
         single = single_process(moe)
         full_state = 2 * sum(p.numel() for p in Net(moe, None).parameters())  # Adam: exp_avg and exp_avg_sq
         for rank, result in enumerate(results):
-            for stage in (1, 2):
+            for stage in (1, 2, 3):
                 label = f"moe{moe:d}-stage{stage}"
                 for key in (k for k in result if k.startswith(label + "/")):
                     torch.testing.assert_close(result[key], single[f"single/{key.split('/', 1)[1]}"], rtol=1e-4,
                                                atol=1e-5, msg=f"rank {rank} {key}")
-                if not moe:  # padding to a multiple of 4 adds at most 3 elements per group
-                    assert int(result[f"numel/{label}"]) <= full_state // 4 + 2 * 3 * 2
+                if not moe:  # padding to a multiple of 4 adds at most 3 elements per bucket (5 under stage 3)
+                    assert int(result[f"numel/{label}"]) <= full_state // 4 + 2 * 3 * (5 if stage == 3 else 2)

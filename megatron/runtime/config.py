@@ -42,15 +42,60 @@ class SchedulerConfig(_Section):
     params: dict[str, Any] = {}
 
 
-class ZeroConfig(_Section):
-    stage: int = 0
+class OffloadConfig(_Section):
+    """`offload_optimizer` / `offload_param`: where state lives. Only "none" (accelerator or main
+    memory, as without offload) is implemented so far."""
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
 
     def model_post_init(self, context: Any) -> None:
-        if self.stage not in (0, 1, 2):
+        if self.device != "none":
             raise ValueError(
-                f"ZeRO stage {self.stage} is not implemented yet in this toolkit (only stages 0, 1 and 2); "
-                "set zero_optimization.stage to 0, 1 or 2"
+                f"offload to {self.device!r} is not implemented yet in this toolkit; set device to \"none\""
             )
+
+
+class ZeroConfig(_Section):
+    """DeepSpeed's `zero_optimization` block. Sizes count elements, as in DeepSpeed."""
+    stage: Literal[0, 1, 2, 3] = 0
+    # gradients are always views of one flat buffer here, so they are contiguous either way
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True  # False: all-reduce each bucket instead
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only
+    sub_group_size: int = 1_000_000_000  # the unit of optimizer swapping (offload)
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    offload_optimizer: OffloadConfig = OffloadConfig()
+    offload_param: OffloadConfig = OffloadConfig()
+
+    def model_post_init(self, context: Any) -> None:
+        sizes = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters")
+        for key in sizes:
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be a positive number of elements, got {getattr(self, key)}")
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be zero or a positive number of elements, got {getattr(self, key)}")
+
+    @property
+    def overlaps_communication(self) -> bool:
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def bucket_numel(self) -> int:
+        """Elements per gradient bucket of stages 1 and 2: the same buckets are reduced and, after
+        the step, gathered in place, so both size limits apply to them."""
+        return min(self.reduce_bucket_size, self.allgather_bucket_size)
 
 
 class RuntimeConfig(_Section):

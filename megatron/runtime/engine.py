@@ -4,8 +4,8 @@ the optimizer step and the LR schedule, for any torch.nn.Module.
 Gradients are accumulated unscaled by the number of micro-batches; at the boundary one pass
 folds the data-parallel average, the accumulation average, the loss-scale removal and the
 clipping coefficient into a single multiply, so the step costs what a bare loop's step costs.
-With ZeRO stage 1 or 2 the optimizer updates this rank's flat fp32 shards (megatron/runtime/zero/)
-and the updated shards are gathered back into the model's parameters.
+With ZeRO the optimizer updates this rank's flat fp32 shards (megatron/runtime/zero/) and the
+updated shards are gathered back into the model's parameters (stage 3: when next used).
 """
 
 import json
@@ -29,7 +29,7 @@ from megatron.runtime.state_io import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
     optimizer_groups, save_rng_state, save_tensors,
 )
-from megatron.runtime.zero import build_partitions, load_partition_state, partition_state_entries
+from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_state_entries
 
 
 def build_optimizer(model: nn.Module, config: RuntimeConfig) -> torch.optim.Optimizer:
@@ -99,9 +99,10 @@ class Engine:
         self._broadcast_parameters()
         self.zero_stage = config.zero_optimization.stage
         # from here on the optimizer's groups hold this rank's shards, not the model's parameters
-        self.partitions = build_partitions(
-            self.optimizer, self.param_names, parallel.dp_group, parallel.expert_dp_group
-        ) if self.zero_stage else []
+        self.zero = ZeroRuntime(
+            self.module, self.optimizer, config.zero_optimization, parallel.dp_group, parallel.expert_dp_group
+        ) if self.zero_stage else None
+        self.partitions = self.zero.partitions if self.zero is not None else []
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the
@@ -111,6 +112,11 @@ class Engine:
             group = grid.expert_dp_group if expert_ids(tensor) else grid.dp_group
             if is_parallel(group):
                 dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
+
+    def whole_parameters(self) -> Any:
+        """A context in which every parameter of the model holds its values (ZeRO-3 frees them
+        between uses): for saving, loading or inspecting weights outside forward."""
+        return self.zero.full_parameters() if self.zero is not None else nullcontext()
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -125,7 +131,11 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         scale = self.loss_scaler.scale
+        if self.zero is not None:
+            self.zero.before_backward(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1.0 else loss).backward()
+        if self.zero is not None:
+            self.zero.after_backward()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -166,11 +176,8 @@ class Engine:
     def _reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sum gradients over their data-parallel groups; return the (dense, expert) gradients
         the optimizer will read: the model's, or under ZeRO this rank's shards'."""
-        if self.partitions:
-            for part in self.partitions:
-                part.reduce_gradients(self.zero_stage)
-            return ([p.shard.grad for p in self.partitions if not p.is_expert],
-                    [p.shard.grad for p in self.partitions if p.is_expert])
+        if self.zero is not None:
+            return self.zero.reduce_gradients()
         for param in (*self.dense_params, *self.expert_params):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -203,14 +210,14 @@ class Engine:
                 coeff *= clip / (grad_norm + 1e-6)
             torch._foreach_mul_(grads, coeff)
             self.optimizer.step()
-            for part in self.partitions:
-                part.gather_parameters()
+            if self.zero is not None:
+                self.zero.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(self.last_step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        for part in self.partitions:  # the model's gradients are views of flat buffers: zero, keep
-            part.zero_gradients()
+        if self.zero is not None:  # the model's gradients are views of flat buffers: zero, keep
+            self.zero.zero_gradients()
         self.global_steps += 1
 
     def save_checkpoint(self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None) -> Path:
@@ -226,7 +233,8 @@ class Engine:
         suffix = f"rank{grid.rank:05d}.safetensors"
         save_rng_state(staging / f"rng_{suffix}")
         owns = {"owns_dense": grid.is_first_rank, "owns_experts": grid.expert_dp_rank == 0}
-        model = model_entries(self.module, **owns)
+        with self.whole_parameters():
+            model = model_entries(self.module, **owns)
         if self.partitions:  # every rank owns a slice of the optimizer state
             optim, optim_groups = partition_state_entries(self.optimizer, self.partitions), optimizer_groups(self.optimizer)
         else:
@@ -263,9 +271,10 @@ class Engine:
         if not meta_path.is_file():
             raise CheckpointError(f"no checkpoint at {folder} (engine.json is missing); check --load and the tag")
         meta = json.loads(meta_path.read_text())
-        load_model_entries(self.module, ShardedReader(folder, "model"))
-        for part in self.partitions:
-            part.copy_from_parameters()
+        with self.whole_parameters():
+            load_model_entries(self.module, ShardedReader(folder, "model"))
+            if self.zero is not None:
+                self.zero.copy_from_parameters()
         if load_optimizer:
             reader = ShardedReader(folder, "optimizer")
             if self.partitions:

@@ -55,14 +55,18 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, k: int, m: int) -> boo
     if not hasattr(torch, "_grouped_mm"):
         return False
     device = torch.device(device_type)
-    try:
-        x = torch.randn(24, k, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(3, k, m, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs).backward(torch.ones(24, m, device=device, dtype=dtype))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
+    # the first call can come from inside a forward: under no_grad (evaluation) or an activation
+    # checkpoint, whose saved-tensor hooks would count the probe's tensors; no random numbers
+    # either, so the caller's RNG stream is the same whether or not the probe ran
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        try:
+            x = torch.ones(24, k, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(3, k, m, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
+            torch._grouped_mm(x, w, offs=offs).backward(torch.ones(24, m, device=device, dtype=dtype))
+            return True
+        except (RuntimeError, NotImplementedError):
+            return False
 
 
 def grouped_linear(x_NK: torch.Tensor, w_GKM: torch.Tensor, b_GM: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:

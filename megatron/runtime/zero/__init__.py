@@ -1,6 +1,6 @@
-"""ZeRO stages 1 and 2: flat fp32 master partitions of optimizer state (and gradients)."""
+"""ZeRO stages 1-3: flat fp32 master partitions of optimizer state, gradients and parameters."""
 
 from megatron.runtime.zero.checkpoint import load_partition_state, partition_state_entries
-from megatron.runtime.zero.partition import FlatPartition, build_partitions
+from megatron.runtime.zero.stages import ZeroRuntime
 
-__all__ = ["FlatPartition", "build_partitions", "load_partition_state", "partition_state_entries"]
+__all__ = ["ZeroRuntime", "load_partition_state", "partition_state_entries"]

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from megatron.runtime.state_io import ShardedReader, load_optimizer_state, optimizer_state_keys
-from megatron.runtime.zero.partition import FlatPartition
+from megatron.runtime.zero.layout import PartitionLayout
 
 
-def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[FlatPartition]) -> dict[str, torch.Tensor]:
+def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout]) -> dict[str, torch.Tensor]:
     entries: dict[str, torch.Tensor] = {}
     for part in partitions:
         for key, value in optimizer.state.get(part.shard, {}).items():
@@ -30,7 +30,7 @@ def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[F
 
 
 def load_partition_state(
-    optimizer: torch.optim.Optimizer, partitions: list[FlatPartition], reader: ShardedReader,
+    optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout], reader: ShardedReader,
     saved_groups: list[dict[str, Any]],
 ) -> None:
     state_keys = optimizer_state_keys(reader)
@@ -41,7 +41,7 @@ def load_partition_state(
     load_optimizer_state(optimizer, state, saved_groups)
 
 
-def _shard_value(reader: ShardedReader, part: FlatPartition, key: str) -> torch.Tensor:
+def _shard_value(reader: ShardedReader, part: PartitionLayout, key: str) -> torch.Tensor:
     whole = f"{key}/{part.names[0]}"
     if whole in reader.file_of and (scalar := reader.get(whole)).dim() == 0:  # Adam's step
         return scalar

@@ -1,0 +1,233 @@
+"""ZeRO stage 3: gather parameters just before they are used, free them after.
+
+Every module that owns partitioned parameters gets a `_parameters` dict that gathers a parameter's
+bucket when the parameter is read through the module (`self.weight`), wherever that read happens,
+so a weight tied into another module's forward is gathered too without telling anyone. The bucket
+is claimed by the innermost module whose forward is running and freed when that forward returns.
+Backward needs the parameters again: the outputs of each module that read partitioned parameters
+pass through an autograd function whose backward gathers them first; they are freed as soon as
+backward has finished their gradients (the reducer says so). The order of gathers in the first
+forward and backward is recorded; afterwards each gather starts the next ones in that order in
+the background (`stage3_prefetch_bucket_size` elements in flight, `stage3_max_live_parameters`
+gathered at most). Buckets of at most `stage3_param_persistence_threshold` elements stay gathered.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from megatron.runtime.config import ZeroConfig
+from megatron.runtime.zero.layout import Bucket, PartitionLayout
+from megatron.runtime.zero.param_partition import ParamPartition
+
+FREE, GATHERING, LIVE = range(3)
+
+
+@dataclass(eq=False)
+class _Frame:
+    """One running module forward: the buckets it read, and those it will free on return."""
+    used: list["_Unit"] = field(default_factory=list)
+    claimed: list["_Unit"] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Unit:
+    part: ParamPartition
+    bucket: Bucket
+    persistent: bool
+    state: int = FREE
+    pending: Any = None
+    owner: _Frame | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.chunk * self.part.size
+
+
+class _GatheringParameters(dict):
+    """A module's `_parameters`: reading a partitioned parameter gathers it first."""
+
+    def __init__(self, parameters: dict[str, nn.Parameter | None], gatherer: "ParameterGatherer") -> None:
+        super().__init__(parameters)
+        self.gatherer = gatherer
+
+    def __getitem__(self, name: str) -> nn.Parameter | None:
+        param = super().__getitem__(name)
+        self.gatherer.use(param)
+        return param
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a module's outputs; its backward gathers the module's parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, gatherer: "ParameterGatherer", units: list[_Unit], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.gatherer, ctx.units = gatherer, units
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        for unit in ctx.units:
+            ctx.gatherer.ensure(unit)
+        return (None, None, *grads)
+
+
+class ParameterGatherer:
+    def __init__(self, module: nn.Module, partitions: list[ParamPartition], config: ZeroConfig) -> None:
+        self.prefetch_numel = config.stage3_prefetch_bucket_size
+        self.max_live_numel = config.stage3_max_live_parameters
+        self.units: list[_Unit] = []
+        self.unit_of: dict[nn.Parameter, _Unit] = {}
+        for part in partitions:
+            for bucket in part.buckets:
+                unit = _Unit(part, bucket, persistent=bucket.numel <= config.stage3_param_persistence_threshold)
+                self.units.append(unit)
+                self.unit_of.update({part.params[i]: unit for i in bucket.params})
+        self.live_numel = self.inflight_numel = self.peak_live_numel = 0
+        self.in_backward = False
+        self.frames: list[_Frame] = []
+        self.recording = True
+        self.trace: list[_Unit] = []
+        self.positions: dict[int, list[int]] = {}
+        self.cursor = 0
+        for child in module.modules():
+            if any(p in self.unit_of for p in child._parameters.values()):
+                child._parameters = _GatheringParameters(child._parameters, self)
+            child.register_forward_pre_hook(self._enter)
+            child.register_forward_hook(self._exit)
+        self.end_step()
+
+    def use(self, param: nn.Parameter | None) -> None:
+        """A module read `param`: gather its bucket, and note who uses it and who frees it."""
+        unit = self.unit_of.get(param) if param is not None else None
+        if unit is None:
+            return
+        self.ensure(unit)
+        if self.frames:
+            frame = self.frames[-1]
+            if unit not in frame.used:
+                frame.used.append(unit)
+            if not self.in_backward and not unit.persistent and unit.owner is None:
+                unit.owner = frame
+                frame.claimed.append(unit)
+
+    def ensure(self, unit: _Unit) -> None:
+        """Make a bucket's parameters usable, waiting for it if it is on its way."""
+        self._gather_now(unit)
+        self._follow_trace(unit)
+
+    def _gather_now(self, unit: _Unit) -> None:
+        if unit.state == FREE:
+            self._start(unit, async_op=False)
+        if unit.state == GATHERING:
+            self._finish(unit)
+
+    def _start(self, unit: _Unit, async_op: bool) -> None:
+        unit.pending = unit.part.gather_bucket(unit.bucket, async_op)
+        unit.state = GATHERING
+        self.live_numel += unit.numel
+        self.inflight_numel += unit.numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _finish(self, unit: _Unit) -> None:
+        work, attach = unit.pending
+        if work is not None:
+            work.wait()
+        attach()
+        unit.pending, unit.state = None, LIVE
+        self.inflight_numel -= unit.numel
+
+    def _release(self, unit: _Unit) -> None:
+        if unit.state == GATHERING:  # a collective must complete before its buffer goes
+            self._finish(unit)
+        if unit.state == LIVE:
+            unit.part.release_bucket(unit.bucket)
+            self.live_numel -= unit.numel
+        unit.state, unit.owner = FREE, None
+
+    def _follow_trace(self, unit: _Unit) -> None:
+        """Record the order of use in the first step; later, start gathering what comes next."""
+        if self.recording:
+            self.trace.append(unit)
+            return
+        positions = self.positions.get(id(unit))
+        if not positions:
+            return
+        here = next((p for p in positions if p >= self.cursor), positions[0])
+        self.cursor = here + 1
+        for upcoming in self.trace[here + 1:]:
+            if self.inflight_numel >= self.prefetch_numel:
+                break
+            if upcoming.state != FREE:
+                continue
+            if self.live_numel + upcoming.numel > self.max_live_numel:
+                break
+            self._start(upcoming, async_op=True)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.frames.append(_Frame())
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> Any:
+        frame = self.frames.pop()
+        if not self.in_backward:
+            for unit in frame.claimed:
+                if unit.owner is frame:
+                    self._release(unit)
+        if not self.frames and not torch.is_grad_enabled():  # no backward follows: drop prefetches
+            self._release_all()
+        if not frame.used or not torch.is_grad_enabled():
+            return output
+        leaves, spec = pytree.tree_flatten(output)
+        slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
+        if not slots:
+            return output
+        wrapped = _GatherBeforeBackward.apply(self, frame.used, *(leaves[i] for i in slots))
+        for i, tensor in zip(slots, wrapped):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
+
+    def bucket_done(self, part: PartitionLayout, bucket: Bucket) -> None:
+        """Backward has finished this bucket's gradients: its parameters are not needed again."""
+        unit = self.unit_of[part.params[bucket.params[0]]]
+        if not unit.persistent:
+            self._release(unit)
+
+    def _release_all(self) -> None:
+        for unit in self.units:
+            if not unit.persistent:
+                self._release(unit)
+
+    def after_backward(self) -> None:
+        """Free what backward left gathered; the first backward ends the recorded trace."""
+        self.in_backward = False
+        self._release_all()
+        if self.recording:
+            self.recording = False
+            for position, unit in enumerate(self.trace):
+                self.positions.setdefault(id(unit), []).append(position)
+        self.cursor = 0
+
+    def end_step(self) -> None:
+        """The shards changed: free everything and gather the persistent buckets afresh."""
+        for unit in self.units:
+            self._release(unit)
+        for unit in self.units:
+            if unit.persistent:
+                self._gather_now(unit)
+        self.frames.clear()  # a forward that raised never popped its frame
+        self.cursor = 0
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """All parameters whole for the duration (checkpoints), freed afterwards."""
+        for unit in self.units:
+            self._gather_now(unit)
+        try:
+            yield
+        finally:
+            self._release_all()

@@ -1,0 +1,103 @@
+"""Bucketed gradient reduction during backward.
+
+A hook on every partitioned parameter counts the gradients that backward has finished; when all
+of a bucket's parameters have theirs, the bucket is ready. Ready buckets are reduced in one fixed
+order per process group (the reverse of the parameters' order, roughly the order backward finishes
+them), never in the order they happen to fill: every rank then issues the same collectives in the
+same sequence even when some parameter gets no gradient on one rank. With `async_op` the
+collectives run while backward goes on (gloo and NCCL progress them in the background); `flush`
+launches what is left and waits for all of them.
+"""
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from megatron.runtime.zero.layout import Bucket, PartitionLayout
+from megatron.runtime.zero.partition import Reduction
+
+
+class Reducible(Protocol):
+    def reduce_bucket(self, bucket: Bucket, async_op: bool) -> Reduction: ...
+
+
+class _Queue:
+    """The buckets of one process group in launch order, and how far launching has got."""
+
+    def __init__(self, order: list[tuple[PartitionLayout, Bucket]]) -> None:
+        self.order = order
+        self.launched = 0
+
+
+class BucketReducer:
+    def __init__(
+        self, partitions: list[PartitionLayout], position: dict[nn.Parameter, int], async_op: bool,
+        on_ready: Callable[[PartitionLayout, Bucket], None] | None = None,
+    ) -> None:
+        """`position` orders parameters as the model lists them; `on_ready` is told of each bucket
+        whose gradients are complete, before it is reduced."""
+        self.async_op = async_op
+        self.on_ready = on_ready
+        self.armed = False
+        self.pending: list[tuple[torch.distributed.Work | None, Callable[[], None] | None]] = []
+        self.bucket_of: dict[nn.Parameter, tuple[PartitionLayout, Bucket]] = {}
+        by_group: dict[int, list[tuple[PartitionLayout, Bucket]]] = {}
+        for part in partitions:
+            for bucket in part.buckets:
+                by_group.setdefault(id(part.group), []).append((part, bucket))
+                for index in bucket.params:
+                    self.bucket_of[part.params[index]] = (part, bucket)
+        first = {key: min(position[key[0].params[i]] for i in key[1].params) for keys in by_group.values() for key in keys}
+        self.queues = [_Queue(sorted(keys, key=lambda key: -first[key])) for keys in by_group.values()]
+        self.queue_of = {id(key[1]): queue for queue in self.queues for key in queue.order}
+        self.missing: dict[int, int] = {}
+        self.ready: set[int] = set()
+        self._reset()
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_done) for p in self.bucket_of]
+
+    def _reset(self) -> None:
+        self.missing = {id(bucket): len(bucket.params) for queue in self.queues for _, bucket in queue.order}
+        self.ready = set()
+        for queue in self.queues:
+            queue.launched = 0
+
+    def _grad_done(self, param: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        part, bucket = self.bucket_of[param]
+        self.missing[id(bucket)] -= 1
+        if self.missing[id(bucket)] == 0:
+            self._mark_ready(part, bucket)
+            self._launch(self.queue_of[id(bucket)], only_ready=True)
+
+    def _mark_ready(self, part: PartitionLayout, bucket: Bucket) -> None:
+        self.ready.add(id(bucket))
+        if self.on_ready is not None:
+            self.on_ready(part, bucket)
+
+    def _launch(self, queue: _Queue, only_ready: bool) -> None:
+        while queue.launched < len(queue.order):
+            part, bucket = queue.order[queue.launched]
+            if id(bucket) not in self.ready:
+                if only_ready:
+                    return
+                self._mark_ready(part, bucket)
+            work, finish = part.reduce_bucket(bucket, self.async_op)
+            if work is not None and self.async_op:
+                self.pending.append((work, finish))
+            elif finish is not None:
+                finish()
+            queue.launched += 1
+
+    def flush(self) -> None:
+        """Reduce every bucket not reduced yet (in order) and wait until all are done."""
+        for queue in self.queues:
+            self._launch(queue, only_ready=False)
+        for work, finish in self.pending:
+            work.wait()
+            if finish is not None:
+                finish()
+        self.pending.clear()
+        self._reset()

@@ -1,0 +1,123 @@
+"""What each ZeRO stage does around forward, backward and the optimizer step.
+
+Stage 1 partitions the fp32 master weights and optimizer state and reduces gradients bucket by
+bucket at the step; stage 2 reduces them during the last micro-batch's backward as buckets fill
+(overlapping compute with `overlap_comm`); stage 3 partitions the parameters too, gathering them
+per module (megatron/runtime/zero/gatherer.py) and reducing gradients during every backward.
+Dense parameters are partitioned over the data-parallel group, experts over their
+expert-data-parallel group; a group of one rank needs no gathering, so its parameters stay whole.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.runtime.config import ZeroConfig
+from megatron.runtime.state_io import expert_ids
+from megatron.runtime.zero.gatherer import ParameterGatherer
+from megatron.runtime.zero.layout import PartitionLayout, buckets_by_size
+from megatron.runtime.zero.param_partition import ParamPartition
+from megatron.runtime.zero.partition import FlatPartition
+from megatron.runtime.zero.reducer import BucketReducer
+
+
+def buckets_by_module(params: list[nn.Parameter], owner: dict[nn.Parameter, nn.Module]) -> list[list[int]]:
+    """Runs of consecutive parameters owned by one module: what stage 3 gathers at once."""
+    buckets: list[list[int]] = []
+    for index, param in enumerate(params):
+        if not buckets or owner[param] is not owner[params[buckets[-1][-1]]]:
+            buckets.append([])
+        buckets[-1].append(index)
+    return buckets
+
+
+class ZeroRuntime:
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
+        dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
+    ) -> None:
+        """Partition each optimizer group's dense and expert parameters, and point the optimizer
+        at the shards instead. The optimizer object and its groups stay the same (an LR schedule
+        already holds them); each group now holds one shard per class."""
+        self.stage = config.stage
+        names = {p: n for n, p in module.named_parameters()}
+        owner: dict[nn.Parameter, nn.Module] = {}  # a tied parameter belongs to its first module
+        for child in module.modules():
+            for param in child._parameters.values():
+                if param is not None:
+                    owner.setdefault(param, child)
+        self.partitions: list[PartitionLayout] = []
+        for group in optimizer.param_groups:
+            shards = []
+            for is_expert, comm in ((False, dense_group), (True, expert_group)):
+                params = [p for p in group["params"] if (expert_ids(p) is not None) == is_expert]
+                if not params:
+                    continue
+                param_names = [names[p] for p in params]
+                if self.stage == 3 and comm is not None and dist.get_world_size(comm) > 1:
+                    part: PartitionLayout = ParamPartition(params, param_names, comm, buckets_by_module(params, owner))
+                else:
+                    part = FlatPartition(params, param_names, comm, buckets_by_size([p.numel() for p in params], config.bucket_numel),
+                                         reduce_scatter=config.reduce_scatter)
+                self.partitions.append(part)
+                shards.append(part.shard)
+            group["params"] = shards
+        optimizer.state.clear()
+        position = {p: i for i, p in enumerate(module.parameters())}
+        flat = [p for p in self.partitions if isinstance(p, FlatPartition)]
+        partitioned = [p for p in self.partitions if isinstance(p, ParamPartition)]
+        async_op = config.overlaps_communication
+        self.flat_reducer = BucketReducer(flat, position, async_op) if flat else None
+        self.gatherer = ParameterGatherer(module, partitioned, config) if partitioned else None
+        self.param_reducer = BucketReducer(partitioned, position, async_op, on_ready=self.gatherer.bucket_done) if partitioned else None
+        if self.param_reducer is not None:
+            self.param_reducer.armed = True
+
+    def before_backward(self, boundary: bool) -> None:
+        """Stage 2 reduces during the backward that ends an accumulation; stage 3 during every one."""
+        if self.flat_reducer is not None:
+            self.flat_reducer.armed = boundary and self.stage >= 2
+        if self.gatherer is not None:
+            self.gatherer.in_backward = True
+
+    def after_backward(self) -> None:
+        if self.param_reducer is not None:
+            self.param_reducer.flush()
+            self.gatherer.after_backward()
+
+    def reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Finish every bucket's reduction; return this rank's (dense, expert) gradient shards."""
+        if self.flat_reducer is not None:
+            self.flat_reducer.armed = False
+            self.flat_reducer.flush()
+        return ([p.shard.grad for p in self.partitions if not p.is_expert],
+                [p.shard.grad for p in self.partitions if p.is_expert])
+
+    def after_step(self) -> None:
+        """Bring the updated shards back into the model's parameters."""
+        for part in self.partitions:
+            if isinstance(part, FlatPartition):
+                part.gather_parameters()
+        if self.gatherer is not None:
+            self.gatherer.end_step()
+
+    def zero_gradients(self) -> None:
+        for part in self.partitions:
+            part.zero_gradients()
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter whole while the block runs (checkpoint save and load)."""
+        if self.gatherer is None:
+            yield
+            return
+        with self.gatherer.gathered():
+            yield
+
+    def copy_from_parameters(self) -> None:
+        """Take the master shards from the model's (whole) parameters, after a load."""
+        for part in self.partitions:
+            part.copy_from_parameters()
