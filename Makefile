@@ -1,4 +1,4 @@
-# `make demo`: install, build a corpus, tokenizer and dataset, and train a small model.
+# `make demo`: install, build a corpus, tokenizer and dataset, train a small model and generate from it.
 # `make test`: install and run the test suite.
 PYTHON ?= python3
 DEMO_DIR ?= demo_output

@@ -2,26 +2,27 @@
 # The built-in demo, start to finish on the CPU: a corpus from the Python standard library's own
 # sources, a SentencePiece tokenizer, Megatron's indexed dataset, then a few minutes of training
 # a small MoE GPT (4 layers, 8 experts on every other layer, top-1) with evaluation, expert-load
-# lines, TensorBoard logs and a checkpoint. Run it with `make demo`.
+# lines, TensorBoard logs and a checkpoint, and last a few lines generated from that checkpoint.
+# Run it with `make demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 DEMO_DIR=${DEMO_DIR:-demo_output}
 mkdir -p "$DEMO_DIR"
 
-echo "== 1/4 corpus"
+echo "== 1/5 corpus"
 [ -s "$DEMO_DIR/corpus.jsonl" ] || $PYTHON tools/build_demo_corpus.py --output "$DEMO_DIR/corpus.jsonl" --max-megabytes 8
 
-echo "== 2/4 tokenizer"
+echo "== 2/5 tokenizer"
 [ -s "$DEMO_DIR/tokenizer.model" ] || $PYTHON tools/train_tokenizer.py --input "$DEMO_DIR/corpus.jsonl" \
     --json-keys text --vocab-size 4000 --model-type bpe --model-prefix "$DEMO_DIR/tokenizer"
 
-echo "== 3/4 preprocessing"
+echo "== 3/5 preprocessing"
 [ -s "$DEMO_DIR/corpus_text_document.idx" ] || $PYTHON tools/preprocess_data.py --input "$DEMO_DIR/corpus.jsonl" \
     --json-keys text --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO_DIR/tokenizer.model" \
     --append-eod --workers 2 --output-prefix "$DEMO_DIR/corpus"
 
-echo "== 4/4 training"
+echo "== 4/5 training"
 rm -rf "$DEMO_DIR/checkpoints" "$DEMO_DIR/tensorboard"
 $PYTHON pretrain_gpt.py \
     --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 \
@@ -34,3 +35,8 @@ $PYTHON pretrain_gpt.py \
     --data-path "$DEMO_DIR/corpus_text_document" --split 949,50,1 --num-workers 1 \
     --log-interval 10 --eval-interval 50 --eval-iters 4 --eval-at-start \
     --save "$DEMO_DIR/checkpoints" --tensorboard-dir "$DEMO_DIR/tensorboard"
+
+echo "== 5/5 generation from the checkpoint (KV cache, MoE dropless)"
+$PYTHON tools/generate.py --load "$DEMO_DIR/checkpoints" --max-new-tokens 40 \
+    --temperature 0.8 --top-k 40 --seed 1234 \
+    --prompt "def " --prompt "import os" --prompt "class "

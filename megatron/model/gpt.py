@@ -1,6 +1,7 @@
 """GPT language model: token (+ learned position) embeddings -> pre-LN blocks (dense MLP or MoE)
 -> final LN -> LM head tied to the token embedding. Returns logits, or per-token losses and the
-summed MoE router loss when labels are given.
+summed MoE router loss when labels are given. With a `KVCache` (from `new_kv_cache`) the tokens
+given are the next ones after those already cached, for incremental decoding.
 """
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.model.config import GPTConfig
+from megatron.model.kv_cache import KVCache
 from megatron.model.moe import MoELayer
 from megatron.model.transformer import MLP, TransformerBlock, init_normal_, output_layer_std
 
@@ -42,26 +44,37 @@ class GPTModel(nn.Module):
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
         )
 
+    def new_kv_cache(self, batch: int, max_length: int | None = None) -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_length` tokens (default: the most
+        positions the model has)."""
+        c = self.config
+        weight = self.word_embeddings.weight
+        return KVCache(c.num_layers, batch, c.num_attention_heads, max_length or c.max_position_embeddings,
+                       c.head_dim, dtype=weight.dtype, device=weight.device)
+
     def forward(
         self,
         tokens_BS: torch.Tensor,
         position_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, S, V] without labels; with them, fp32 per-token cross entropy [B, S] and the
         sum of the MoE layers' router losses (zero for a dense model)."""
         if position_ids_BS is None:
-            position_ids_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+            start = 0 if kv_cache is None else kv_cache.length
+            position_ids_BS = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
         x_BSH = self.word_embeddings(tokens_BS)
         if self.position_embeddings is not None:
             x_BSH = x_BSH + self.position_embeddings(position_ids_BS)
         x_BSH = self.embedding_dropout(x_BSH)
         router_loss = torch.zeros((), device=x_BSH.device)
-        for layer in self.layers:
-            if self.config.checkpoint_activations and self.training:
+        for index, layer in enumerate(self.layers):
+            if self.config.checkpoint_activations and self.training and kv_cache is None:
                 x_BSH, layer_loss = checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
             else:
-                x_BSH, layer_loss = layer(x_BSH, position_ids_BS)
+                layer_cache = None if kv_cache is None else kv_cache.layers[index]
+                x_BSH, layer_loss = layer(x_BSH, position_ids_BS, layer_cache)
             router_loss = router_loss + layer_loss
         logits_BSV = F.linear(self.final_layernorm(x_BSH), self.word_embeddings.weight)
         if labels_BS is None:

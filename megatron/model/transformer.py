@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.config import GPTConfig
+from megatron.model.kv_cache import LayerKVCache
 
 
 def init_normal_(weight: torch.Tensor, std: float) -> None:
@@ -42,6 +43,12 @@ class RotaryEmbedding(nn.Module):
         return x_BNSD * cos + rotated * sin
 
 
+def causal_mask(seq: int, past: int, device: torch.device) -> torch.Tensor:
+    """[S, past + S] boolean mask: new token i sees every cached token and new tokens up to i."""
+    keys = torch.arange(past + seq, device=device)
+    return keys[None, :] <= past + torch.arange(seq, device=device)[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -60,15 +67,23 @@ class CausalSelfAttention(nn.Module):
             else None
         )
 
-    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, kv_cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        """With `kv_cache`, x holds only the new tokens: they attend to the cached ones and themselves."""
         batch, seq, hidden = x_BSH.shape
         qkv_BS3ND = self.query_key_value(x_BSH).view(batch, seq, 3, self.num_heads, self.head_dim)
         q_BNSD, k_BNSD, v_BNSD = qkv_BS3ND.permute(2, 0, 3, 1, 4).unbind(0)
         if self.rotary is not None:
             q_BNSD = self.rotary(q_BNSD, position_ids_BS)
             k_BNSD = self.rotary(k_BNSD, position_ids_BS)
+        past = 0 if kv_cache is None else kv_cache.length
+        if kv_cache is not None:
+            k_BNSD, v_BNSD = kv_cache.append(k_BNSD, v_BNSD)
+        # SDPA's is_causal aligns the mask top-left, so queries after cached keys need an explicit one
+        mask_SK = None if past == 0 or seq == 1 else causal_mask(seq, past, x_BSH.device)
         out_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BNSD, v_BNSD, is_causal=True,
+            q_BNSD, k_BNSD, v_BNSD, attn_mask=mask_SK, is_causal=past == 0 and seq > 1,
             dropout_p=self.dropout_p if self.training else 0.0,
         )
         return self.dense(out_BNSD.transpose(1, 2).reshape(batch, seq, hidden))
@@ -99,9 +114,11 @@ class TransformerBlock(nn.Module):
         self.mlp = mlp
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, kv_cache: LayerKVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the block's output and its MoE router loss (zero for a dense MLP)."""
-        x_BSH = x_BSH + self.dropout(self.self_attention(self.input_layernorm(x_BSH), position_ids_BS))
+        x_BSH = x_BSH + self.dropout(self.self_attention(self.input_layernorm(x_BSH), position_ids_BS, kv_cache))
         mlp_out = self.mlp(self.post_attention_layernorm(x_BSH))
         mlp_out, router_loss = mlp_out if isinstance(mlp_out, tuple) else (mlp_out, x_BSH.new_zeros((), dtype=torch.float32))
         return x_BSH + self.dropout(mlp_out), router_loss

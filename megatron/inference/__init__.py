@@ -1,0 +1,1 @@
+"""Using a trained model: load it from a checkpoint, generate text, score continuations."""
