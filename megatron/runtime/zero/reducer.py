@@ -5,23 +5,18 @@ of a bucket's parameters have theirs, the bucket is ready. Ready buckets are red
 order per process group (the reverse of the parameters' order, roughly the order backward finishes
 them), never in the order they happen to fill: every rank then issues the same collectives in the
 same sequence even when some parameter gets no gradient on one rank. With `async_op` the
-collectives run while backward goes on (gloo and NCCL progress them in the background); `flush`
-launches what is left and waits for all of them.
+collectives run while backward goes on (gloo and NCCL progress them in the background), at most
+`max_inflight_numel` elements of them at once (their buffers are alive until they finish);
+`flush` launches what is left and waits for all of them.
 """
 
+from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
-from megatron.runtime.zero.partition import Reduction
-
-
-class Reducible(Protocol):
-    def reduce_bucket(self, bucket: Bucket, async_op: bool) -> Reduction: ...
-
 
 class _Queue:
     """The buckets of one process group in launch order, and how far launching has got."""
@@ -34,14 +29,16 @@ class _Queue:
 class BucketReducer:
     def __init__(
         self, partitions: list[PartitionLayout], position: dict[nn.Parameter, int], async_op: bool,
-        on_ready: Callable[[PartitionLayout, Bucket], None] | None = None,
+        max_inflight_numel: int, on_ready: Callable[[PartitionLayout, Bucket], None] | None = None,
     ) -> None:
         """`position` orders parameters as the model lists them; `on_ready` is told of each bucket
         whose gradients are complete, before it is reduced."""
         self.async_op = async_op
+        self.max_inflight_numel = max_inflight_numel
         self.on_ready = on_ready
         self.armed = False
-        self.pending: list[tuple[torch.distributed.Work | None, Callable[[], None] | None]] = []
+        self.pending: deque[tuple[torch.distributed.Work, Callable[[], None] | None, int]] = deque()
+        self.inflight_numel = 0
         self.bucket_of: dict[nn.Parameter, tuple[PartitionLayout, Bucket]] = {}
         by_group: dict[int, list[tuple[PartitionLayout, Bucket]]] = {}
         for part in partitions:
@@ -85,19 +82,31 @@ class BucketReducer:
                     return
                 self._mark_ready(part, bucket)
             work, finish = part.reduce_bucket(bucket, self.async_op)
+            queue.launched += 1
             if work is not None and self.async_op:
-                self.pending.append((work, finish))
+                numel = bucket.chunk * part.size
+                self.pending.append((work, finish, numel))
+                self.inflight_numel += numel
+                self._complete(block=False)
             elif finish is not None:
                 finish()
-            queue.launched += 1
+
+    def _complete(self, block: bool) -> None:
+        """Finish collectives in launch order: those already done, then (`block`, or while over
+        the in-flight limit) by waiting."""
+        while self.pending:
+            work, finish, numel = self.pending[0]
+            if not (block or self.inflight_numel > self.max_inflight_numel or work.is_completed()):
+                return
+            work.wait()
+            if finish is not None:
+                finish()
+            self.pending.popleft()
+            self.inflight_numel -= numel
 
     def flush(self) -> None:
         """Reduce every bucket not reduced yet (in order) and wait until all are done."""
         for queue in self.queues:
             self._launch(queue, only_ready=False)
-        for work, finish in self.pending:
-            work.wait()
-            if finish is not None:
-                finish()
-        self.pending.clear()
+        self._complete(block=True)
         self._reset()

@@ -69,10 +69,11 @@ class ZeroRuntime:
         position = {p: i for i, p in enumerate(module.parameters())}
         flat = [p for p in self.partitions if isinstance(p, FlatPartition)]
         partitioned = [p for p in self.partitions if isinstance(p, ParamPartition)]
-        async_op = config.overlaps_communication
-        self.flat_reducer = BucketReducer(flat, position, async_op) if flat else None
+        overlap = {"async_op": config.overlaps_communication, "max_inflight_numel": config.reduce_bucket_size}
+        self.flat_reducer = BucketReducer(flat, position, **overlap) if flat else None
         self.gatherer = ParameterGatherer(module, partitioned, config) if partitioned else None
-        self.param_reducer = BucketReducer(partitioned, position, async_op, on_ready=self.gatherer.bucket_done) if partitioned else None
+        self.param_reducer = BucketReducer(
+            partitioned, position, **overlap, on_ready=self.gatherer.bucket_done) if partitioned else None
         if self.param_reducer is not None:
             self.param_reducer.armed = True
 
