@@ -60,7 +60,9 @@ class TrainingConfig:
     zero_stage: int
     deepspeed_scheduler: dict[str, Any] | None  # a DeepSpeed "scheduler" block replaces Megatron's annealing
     deepspeed_accumulation: int | None  # gradient_accumulation_steps from the DeepSpeed JSON, checked later
-    deepspeed_zero: dict[str, Any] | None  # the JSON's other zero_optimization keys (buckets, overlap, ...)
+    # the JSON's blocks that no Megatron flag sets: zero_optimization's other keys, aio, tensorboard,
+    # steps_per_print, wall_clock_breakdown
+    deepspeed_passthrough: dict[str, Any] | None
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -97,6 +99,10 @@ class PretrainConfig:
     def runtime_config(self, dp_size: int) -> RuntimeConfig:
         """The engine's config for these flags, with batch sizes checked against `dp_size`."""
         t = self.training
+        passthrough = dict(t.deepspeed_passthrough or {})
+        zero = {**passthrough.pop("zero_optimization", {}), "stage": t.zero_stage}
+        # the trainer's Megatron log lines already report progress: the engine's own line only on request
+        passthrough.setdefault("steps_per_print", 0)
         config = validate_runtime_config(dict(
             train_batch_size=t.global_batch_size,
             train_micro_batch_size_per_gpu=t.micro_batch_size,
@@ -111,9 +117,9 @@ class PretrainConfig:
             },
             bf16={"enabled": t.precision == "bf16"},
             gradient_clipping=t.clip_grad,
-            steps_per_print=self.logging.log_interval,
             scheduler=t.deepspeed_scheduler,
-            zero_optimization={**(t.deepspeed_zero or {}), "stage": t.zero_stage},
+            zero_optimization=zero,
+            **passthrough,
         ), "the command-line flags")
         return resolve_batch_sizes(config, dp_size)
 
@@ -209,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed-style JSON; values must agree with the flags given")
     g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned), 2 (also gradients) or 3 (also parameters)")
-    parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None, deepspeed_zero=None)
+    parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None, deepspeed_passthrough=None)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=100)
@@ -312,7 +318,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
         expert_parallel_size=args.moe_expert_parallel_size, zero_stage=args.zero_stage,
         deepspeed_scheduler=args.deepspeed_scheduler, deepspeed_accumulation=args.deepspeed_accumulation,
-        deepspeed_zero=args.deepspeed_zero,
+        deepspeed_passthrough=args.deepspeed_passthrough,
     )
     if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
         raise ConfigError(

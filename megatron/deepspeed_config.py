@@ -29,6 +29,8 @@ KEYS_TO_FLAGS: list[tuple[tuple[str, ...], str, Callable[[Any], Any]]] = [
     (("optimizer", "params", "eps"), "adam_eps", float),
     (("zero_optimization", "stage"), "zero_stage", int),
 ]
+# blocks that no Megatron flag sets: they reach the runtime config as the JSON gives them
+PASSTHROUGH_KEYS = ("zero_optimization", "aio", "tensorboard", "steps_per_print", "wall_clock_breakdown")
 # Megatron's own LR annealing flags, which a DeepSpeed "scheduler" block replaces
 ANNEALING_FLAGS = ("lr_decay_style", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_tokens",
                    "lr_decay_iters", "lr_decay_samples", "lr_decay_tokens")
@@ -85,7 +87,7 @@ def merge_deepspeed_config(args: argparse.Namespace, explicit: set[str]) -> argp
             )
         merged["deepspeed_scheduler"] = scheduler
     merged["deepspeed_accumulation"] = config.get("gradient_accumulation_steps")
-    merged["deepspeed_zero"] = config.get("zero_optimization")
+    merged["deepspeed_passthrough"] = {key: config[key] for key in PASSTHROUGH_KEYS if key in config}
     return argparse.Namespace(**merged)
 
 

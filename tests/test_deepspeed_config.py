@@ -59,6 +59,11 @@ def test_accumulation_and_zero_stage_checks(tmp_path):
     assert runtime.zero_optimization.stage == 3 and runtime.zero_optimization.reduce_bucket_size == 500_000_000
     assert not runtime.zero_optimization.overlaps_communication
     assert runtime.zero_optimization.stage3_param_persistence_threshold == 0
+    # so do the blocks no flag sets; without them the engine's own progress line stays off
+    blocks = {"aio": {"block_size": 262144}, "tensorboard": {"enabled": True, "output_path": "tb"}, "steps_per_print": 5}
+    runtime = with_data_parallel_size(parse_args(ds_args(tmp_path, blocks)), 1).runtime_config(1)
+    assert (runtime.aio.block_size, runtime.tensorboard.output_path, runtime.steps_per_print) == (262144, "tb", 5)
+    assert with_data_parallel_size(parse_args(BASE), 1).runtime_config(1).steps_per_print == 0
 
 
 def test_config_file_needs_the_deepspeed_flag(tmp_path):

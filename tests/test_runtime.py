@@ -65,7 +65,7 @@ def test_clipping_matches_torch_clip_grad_norm():
         torch.testing.assert_close(a, b)
 
 
-def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(capsys):
     model = small_model()
     before = [p.detach().clone() for p in model.parameters()]
     engine = initialize(
@@ -81,8 +81,88 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     engine.step()
     assert engine.last_step_skipped and engine.skipped_steps == 1
     assert engine.loss_scaler.scale == 2.0**7
+    assert "step 1: gradient overflow at loss scale 256; skipping" in capsys.readouterr().out
     for a, b in zip(before, model.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_bf16_skips_a_step_with_non_finite_gradients_and_says_so(capsys):
+    engine = initialize(small_model(), {"train_batch_size": 2, "bf16": {"enabled": True}}, SINGLE)
+    engine.backward(engine(torch.full((2, 8), float("nan"))).sum())
+    engine.step()
+    assert engine.last_step_skipped
+    assert "step 1: the gradients are not finite; skipping" in capsys.readouterr().out
+
+
+def lamb_reference(param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float],
+                   eps: float, weight_decay: float, max_coeff: float, min_coeff: float) -> torch.Tensor:
+    """LAMB written out step by step, as DeepSpeed's FusedLamb computes it."""
+    w, m, v = param.clone().double(), torch.zeros_like(param).double(), torch.zeros_like(param).double()
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        update = (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps) + weight_decay * w
+        ratio = min(max(float(w.norm() / update.norm()), min_coeff), max_coeff)
+        w = w - lr * ratio * update
+    return w.float()
+
+
+def test_lamb_follows_its_formula_and_is_built_from_the_config():
+    torch.manual_seed(0)
+    settings = dict(lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, max_coeff=2.0, min_coeff=0.5)
+    for scale in (1e-3, 1.0, 1e3):  # trust ratios below, inside and above the clamp
+        param = torch.nn.Parameter(torch.randn(5, 4) * scale)
+        start = param.detach().clone()
+        grads = [torch.randn(5, 4) for _ in range(4)]
+        optimizer = initialize(torch.nn.Linear(1, 1), {"train_batch_size": 1, "optimizer": {
+            "type": "Lamb", "params": {**settings, "betas": list(settings["betas"])}}}, SINGLE,
+            model_parameters=[{"params": [param]}]).optimizer
+        for grad in grads:
+            param.grad = grad
+            optimizer.step()
+        torch.testing.assert_close(param.detach(), lamb_reference(start, grads, **settings), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ConfigError, match="Lamb needs whole tensors .* zero_optimization.stage 0"):
+        initialize(small_model(), {"train_batch_size": 1, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}, SINGLE)
+    with pytest.raises(ConfigError, match="bad optimizer.params for Lamb: .*max_grad_nrm"):
+        initialize(small_model(), {"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"max_grad_nrm": 1}}}, SINGLE)
+
+
+def test_model_parameters_choose_what_the_built_optimizer_updates():
+    model = small_model()
+    engine = initialize(model, {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.1}}}, SINGLE,
+                        model_parameters=model[2].parameters())
+    assert [len(g["params"]) for g in engine.optimizer.param_groups] == [1, 1]  # weight decayed, bias not
+    engine.backward(engine(torch.randn(1, 8)).sum())
+    first_layer = model[0].weight.detach().clone()
+    engine.step()
+    torch.testing.assert_close(model[0].weight.detach(), first_layer)
+    with pytest.raises(ConfigError, match="an optimizer or model_parameters"):
+        initialize(model, {"train_batch_size": 1}, SINGLE, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                   model_parameters=model.parameters())
+
+
+def test_engine_prints_progress_with_timings_and_writes_tensorboard(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = {"train_batch_size": 2, "steps_per_print": 2, "wall_clock_breakdown": True,
+              "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
+    engine = initialize(small_model(), config, SINGLE)
+    losses = []
+    for _ in range(4):
+        loss = engine(torch.randn(2, 8)).square().mean()
+        losses.append(float(loss.detach()))
+        engine.backward(loss)
+        engine.step()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[engine]")]
+    assert len(lines) == 2 and lines[1].startswith("[engine] step=4, skipped=0, lr=")
+    assert "ms per step: forward" in lines[0] and "backward" in lines[0] and "step" in lines[0]
+    events = EventAccumulator(str(tmp_path / "job"))
+    events.Reload()
+    train_loss = events.Scalars("Train/Samples/train_loss")
+    assert [e.step for e in train_loss] == [2, 4, 6, 8]  # samples seen
+    assert [e.value for e in train_loss] == pytest.approx(losses)
+    assert {"Train/Samples/lr", "Train/Samples/loss_scale"} <= set(events.Tags()["scalars"])
 
 
 def test_dynamic_loss_scaler_follows_deepspeed_rules():
@@ -163,5 +243,7 @@ def test_unknown_scheduler_and_bad_zero_settings_are_clear_errors():
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 4}}, dp_size=1)
     with pytest.raises(ConfigError, match="offload to 'nvme' is not implemented yet"):
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, 1)
+    with pytest.raises(ConfigError, match="unknown key 'aio.queue_dept'.*'queue_depth'"):
+        load_runtime_config({"train_batch_size": 2, "aio": {"queue_dept": 4}}, dp_size=1)
     with pytest.raises(ConfigError, match="reduce_bucket_size must be a positive number"):
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"reduce_bucket_size": 0}}, dp_size=1)

@@ -19,7 +19,7 @@ class _Section(BaseModel):
 
 
 class OptimizerConfig(_Section):
-    type: Literal["Adam", "AdamW"] = "AdamW"
+    type: Literal["Adam", "AdamW", "Lamb"] = "AdamW"
     params: dict[str, Any] = {}
 
 
@@ -98,6 +98,27 @@ class ZeroConfig(_Section):
         return min(self.reduce_bucket_size, self.allgather_bucket_size)
 
 
+class AioConfig(_Section):
+    """The async-I/O handle settings for NVMe swapping (DeepNVMe's names and defaults)."""
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    def model_post_init(self, context: Any) -> None:
+        for key in ("block_size", "queue_depth", "intra_op_parallelism"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+
+
+class TensorBoardConfig(_Section):
+    """The engine's own scalars (loss, learning rate, loss scale by samples), DeepSpeed's layout."""
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
 class RuntimeConfig(_Section):
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
@@ -108,8 +129,10 @@ class RuntimeConfig(_Section):
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
     gradient_clipping: float = 0.0
-    steps_per_print: int = 10
-    wall_clock_breakdown: bool = False
+    steps_per_print: int = 10  # the engine's own progress line every N steps; 0: none
+    wall_clock_breakdown: bool = False  # forward / backward / step times on that line
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    aio: AioConfig = AioConfig()
 
 
 def _explain(error: ValidationError, source: str) -> str:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from megatron.parallel import ParallelGrid, all_reduce, is_parallel
 from megatron.runtime.config import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler
+from megatron.runtime.monitor import EngineMonitor
+from megatron.runtime.optim.lamb import Lamb
 from megatron.errors import CheckpointError, ConfigError
 from megatron.runtime.state_io import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
@@ -32,22 +35,43 @@ from megatron.runtime.state_io import (
 from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_state_entries
 
 
-def build_optimizer(model: nn.Module, config: RuntimeConfig) -> torch.optim.Optimizer:
-    """Adam(W) with weight decay on matrices only: biases and norm weights are not decayed."""
+def build_optimizer(
+    model: nn.Module, config: RuntimeConfig, model_parameters: Iterable[Any] | None = None,
+) -> torch.optim.Optimizer:
+    """The config's optimizer over `model_parameters` (parameters, or DeepSpeed-style groups of
+    them), by default the model's trainable parameters with weight decay on matrices only: biases
+    and norm weights are not decayed."""
     params = dict(config.optimizer.params)
     weight_decay = params.pop("weight_decay", 0.0)
     adam_w_mode = params.pop("adam_w_mode", True)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # a stacked expert tensor has one leading dimension more than the tensor of one expert
-    is_matrix = {p: p.dim() - (expert_ids(p) is not None) >= 2 for p in trainable}
-    groups = [
-        {"params": [p for p in trainable if is_matrix[p]], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if not is_matrix[p]], "weight_decay": 0.0},
-    ]
-    optimizer_class = torch.optim.AdamW if config.optimizer.type == "AdamW" or adam_w_mode else torch.optim.Adam
-    return optimizer_class([g for g in groups if g["params"]], fused=True, **params)
+    given = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if given and isinstance(given[0], dict):
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in given]
+        groups = [{"weight_decay": weight_decay, **g} for g in groups]
+    else:
+        trainable = [p for p in given if p.requires_grad]
+        # a stacked expert tensor has one leading dimension more than the tensor of one expert
+        is_matrix = {p: p.dim() - (expert_ids(p) is not None) >= 2 for p in trainable}
+        groups = [
+            {"params": [p for p in trainable if is_matrix[p]], "weight_decay": weight_decay},
+            {"params": [p for p in trainable if not is_matrix[p]], "weight_decay": 0.0},
+        ]
+    groups = [g for g in groups if g["params"]]
+    kind = config.optimizer.type
+    if kind == "Lamb" and config.zero_optimization.stage:
+        raise ConfigError(
+            "optimizer Lamb needs whole tensors for its per-tensor trust ratio, but ZeRO hands the optimizer "
+            "flat shards; use Adam/AdamW with ZeRO, or zero_optimization.stage 0 with Lamb"
+        )
+    try:
+        if kind == "Lamb":
+            return Lamb(groups, **params)
+        optimizer_class = torch.optim.AdamW if kind == "AdamW" or adam_w_mode else torch.optim.Adam
+        return optimizer_class(groups, fused=True, **params)
+    except TypeError as error:
+        raise ConfigError(f"bad optimizer.params for {kind}: {error}; use the parameter names of DeepSpeed's {kind}") from None
 
 
 def build_loss_scaler(config: RuntimeConfig) -> DynamicLossScaler | StaticLossScaler:
@@ -96,6 +120,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+        self.monitor = EngineMonitor(config, parallel.is_first_rank, parallel.device)
         self._broadcast_parameters()
         self.zero_stage = config.zero_optimization.stage
         # from here on the optimizer's groups hold this rank's shards, not the model's parameters
@@ -124,18 +149,24 @@ class Engine:
         return torch.autocast(device_type=self.parallel.device.type, dtype=self.autocast_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.monitor.start("forward")
         with self.autocast():
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        self.monitor.stop("forward")
+        return output
 
     __call__ = forward
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.monitor.record_loss(loss)
+        self.monitor.start("backward")
         scale = self.loss_scaler.scale
         if self.zero is not None:
             self.zero.before_backward(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1.0 else loss).backward()
         if self.zero is not None:
             self.zero.after_backward()
+        self.monitor.stop("backward")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -195,6 +226,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        self.monitor.start("step")
         dense_grads, expert_grads = self._reduce_gradients()
         grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.parallel.dp_size
@@ -203,6 +235,8 @@ class Engine:
         self.last_step_skipped = not math.isfinite(grad_norm)
         if self.last_step_skipped:
             self.skipped_steps += 1
+            self.monitor.skipped(self.global_steps + 1, f"gradient overflow at loss scale {self.loss_scaler.scale:g}"
+                                 if self.config.fp16.enabled else "the gradients are not finite")
         else:
             coeff = 1.0 / divisor
             clip = self.config.gradient_clipping
@@ -219,6 +253,8 @@ class Engine:
         if self.zero is not None:  # the model's gradients are views of flat buffers: zero, keep
             self.zero.zero_gradients()
         self.global_steps += 1
+        self.monitor.stop("step")
+        self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None) -> Path:
         """Write `save_dir/tag/` atomically: everything goes to `tag.tmp` first, then is renamed,
@@ -303,8 +339,14 @@ def initialize(
     parallel: ParallelGrid,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any = None,
+    model_parameters: Iterable[Any] | None = None,
 ) -> Engine:
-    """DeepSpeed-style entry point: validate the config and wrap the model in an engine."""
+    """DeepSpeed-style entry point: validate the config and wrap the model in an engine. Without an
+    optimizer, the config's is built over `model_parameters` (default: the model's)."""
     if not isinstance(config, RuntimeConfig):
         config = load_runtime_config(config, parallel.dp_size)
+    if optimizer is not None and model_parameters is not None:
+        raise ConfigError("give initialize() an optimizer or model_parameters to build one from, not both")
+    if optimizer is None:
+        optimizer = build_optimizer(model, config, model_parameters)
     return Engine(model, config, parallel, optimizer=optimizer, lr_scheduler=lr_scheduler)
