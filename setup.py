@@ -27,12 +27,25 @@ AIO_EXTENSION = Extension(
     language="c++",
 )
 
+# The CPU Adam step for optimizer state in host memory: plain C++17, pybind11, no torch headers.
+# No -march: gcc compiles the element loop for AVX-512, AVX2 and baseline x86-64 and picks one at
+# load time; -ffp-contract=off keeps its rounding exactly where csrc/adam/adam_kernel.cpp puts it.
+ADAM_EXTENSION = Extension(
+    "megatron.ops._cpu_adam",
+    sources=["csrc/adam/adam_kernel.cpp", "csrc/adam/bindings.cpp", "csrc/adam/parallel_step.cpp"],
+    depends=["csrc/adam/adam_kernel.h", "csrc/adam/parallel_step.h"],
+    include_dirs=[pybind11.get_include()],
+    extra_compile_args=["-O3", "-std=c++17", "-pthread", "-ffp-contract=off", "-fno-math-errno"],
+    extra_link_args=["-pthread"],
+    language="c++",
+)
+
 setup(
     name="megatron-moe",
     version="0.1.0",
     description="Megatron-style pretraining toolkit for Mixture-of-Experts GPT models",
     packages=find_packages(include=["megatron", "megatron.*"]),
-    ext_modules=[AIO_EXTENSION],
+    ext_modules=[AIO_EXTENSION, ADAM_EXTENSION],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -42,23 +42,34 @@ class SchedulerConfig(_Section):
     params: dict[str, Any] = {}
 
 
-class OffloadConfig(_Section):
-    """`offload_optimizer` / `offload_param`: where state lives. Only "none" (accelerator or main
-    memory, as without offload) is implemented so far."""
+class OffloadOptimizerConfig(_Section):
+    """`offload_optimizer`: where the fp32 optimizer state lives. "cpu": host memory, stepped by
+    the native CPU Adam; "nvme": Adam's moments in swap files under nvme_path, moved by the
+    async-I/O op through `buffer_count` locked buffers (pipelined with pipeline_read/write)."""
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False  # host buffers here are always the aio op's locked ones
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False  # skip writing zeros to the swap files at start-up
+
+
+class OffloadParamConfig(_Section):
+    """`offload_param` (stage 3): parameter partitions in host memory or swap files. Not
+    implemented yet: only "none" is accepted."""
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = 4
+    buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
 
     def model_post_init(self, context: Any) -> None:
         if self.device != "none":
             raise ValueError(
-                f"offload to {self.device!r} is not implemented yet in this toolkit; set device to \"none\""
+                f"parameter offload to {self.device!r} is not implemented yet in this toolkit; set device to \"none\" "
+                "(optimizer offload, offload_optimizer, works)"
             )
 
 
@@ -75,8 +86,8 @@ class ZeroConfig(_Section):
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
-    offload_optimizer: OffloadConfig = OffloadConfig()
-    offload_param: OffloadConfig = OffloadConfig()
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
 
     def model_post_init(self, context: Any) -> None:
         sizes = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters")
@@ -86,6 +97,9 @@ class ZeroConfig(_Section):
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be zero or a positive number of elements, got {getattr(self, key)}")
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs ZeRO (stage 1, 2 or 3) to partition the state it moves; "
+                             "set zero_optimization.stage")
 
     @property
     def overlaps_communication(self) -> bool:

@@ -26,7 +26,9 @@ from megatron.runtime.config import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.runtime.monitor import EngineMonitor
+from megatron.runtime.optim.cpu_adam import CPUAdam
 from megatron.runtime.optim.lamb import Lamb
+from megatron.runtime.swap.swapped_adam import SwappedAdam
 from megatron.errors import CheckpointError, ConfigError
 from megatron.runtime.state_io import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
@@ -36,7 +38,7 @@ from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_s
 
 
 def build_optimizer(
-    model: nn.Module, config: RuntimeConfig, model_parameters: Iterable[Any] | None = None,
+    model: nn.Module, config: RuntimeConfig, model_parameters: Iterable[Any] | None = None, rank: int = 0,
 ) -> torch.optim.Optimizer:
     """The config's optimizer over `model_parameters` (parameters, or DeepSpeed-style groups of
     them), by default the model's trainable parameters with weight decay on matrices only: biases
@@ -65,9 +67,20 @@ def build_optimizer(
             "optimizer Lamb needs whole tensors for its per-tensor trust ratio, but ZeRO hands the optimizer "
             "flat shards; use Adam/AdamW with ZeRO, or zero_optimization.stage 0 with Lamb"
         )
+    offload = config.zero_optimization.offload_optimizer
     try:
         if kind == "Lamb":
             return Lamb(groups, **params)
+        if offload.device != "none":
+            if next(model.parameters()).device.type != "cpu":
+                raise ConfigError(
+                    f"offload_optimizer to {offload.device} is implemented for CPU training only so far; "
+                    "set offload_optimizer.device to \"none\" on an accelerator"
+                )
+            adam = {**params, "adamw_mode": kind == "AdamW" or adam_w_mode}
+            if offload.device == "cpu":
+                return CPUAdam(groups, **adam)
+            return SwappedAdam(groups, offload, config.aio, config.zero_optimization.sub_group_size, rank, **adam)
         optimizer_class = torch.optim.AdamW if kind == "AdamW" or adam_w_mode else torch.optim.Adam
         return optimizer_class(groups, fused=True, **params)
     except TypeError as error:
@@ -99,7 +112,7 @@ class Engine:
         self.module = model.to(parallel.device)
         self.config = config
         self.parallel = parallel
-        self.optimizer = optimizer or build_optimizer(self.module, config)
+        self.optimizer = optimizer or build_optimizer(self.module, config, rank=parallel.rank)
         if lr_scheduler is not None and config.scheduler is not None:
             raise ConfigError(
                 f"a scheduler object was passed and the config also names scheduler {config.scheduler.type!r}; "
@@ -128,6 +141,8 @@ class Engine:
             self.module, self.optimizer, config.zero_optimization, parallel.dp_group, parallel.expert_dp_group
         ) if self.zero_stage else None
         self.partitions = self.zero.partitions if self.zero is not None else []
+        if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
+            self.optimizer.prepare()
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the
@@ -348,5 +363,5 @@ def initialize(
     if optimizer is not None and model_parameters is not None:
         raise ConfigError("give initialize() an optimizer or model_parameters to build one from, not both")
     if optimizer is None:
-        optimizer = build_optimizer(model, config, model_parameters)
+        optimizer = build_optimizer(model, config, model_parameters, parallel.rank)
     return Engine(model, config, parallel, optimizer=optimizer, lr_scheduler=lr_scheduler)

@@ -19,7 +19,9 @@ from megatron.runtime.zero.layout import PartitionLayout
 def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout]) -> dict[str, torch.Tensor]:
     entries: dict[str, torch.Tensor] = {}
     for part in partitions:
-        for key, value in optimizer.state.get(part.shard, {}).items():
+        # an optimizer that keeps state elsewhere (swap files) hands it over whole
+        state = optimizer.full_state(part.shard) if hasattr(optimizer, "full_state") else optimizer.state.get(part.shard, {})
+        for key, value in state.items():
             if value.dim() == 0:
                 entries.update({f"{key}/{name}": value.clone() for name in part.names})
                 continue

@@ -1,0 +1,1 @@
+"""Optimizer state in swap files on NVMe, moved by the async-I/O op (ZeRO-Infinity)."""

@@ -1,0 +1,59 @@
+"""The swap folder of one rank of one run: `nvme_path/<run>/rank<R>/`.
+
+The run's name is agreed by all ranks (rank 0's choice, broadcast), so two runs pointing at the
+same nvme_path never share files. The folder is created if missing, checked for free space before
+anything is written, and removed when the run ends.
+"""
+
+import atexit
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron.errors import ConfigError
+
+
+def run_name() -> str:
+    """A name unique to this run, the same on every rank."""
+    name = [f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+class SwapFolder:
+    def __init__(self, nvme_path: str | None, rank: int, needed_bytes: int) -> None:
+        if not nvme_path:
+            raise ConfigError("offload to nvme needs zero_optimization.offload_optimizer.nvme_path; "
+                              "set it to a folder on a fast local disk")
+        root = Path(nvme_path)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"cannot create the swap folder {root} ({error.strerror}); "
+                              "set nvme_path to a writable folder") from None
+        available = shutil.disk_usage(root).free
+        if needed_bytes > available:
+            raise ConfigError(
+                f"the swap folder {root} needs {needed_bytes:,} bytes for this rank's optimizer state but its disk "
+                f"has {available:,} free; free space or point nvme_path at a larger disk"
+            )
+        self.run_root = root / run_name()
+        self.path = self.run_root / f"rank{rank}"
+        self.path.mkdir(parents=True)
+        atexit.register(self.remove)
+
+    def file(self, name: str) -> str:
+        return os.fspath(self.path / name)
+
+    def remove(self) -> None:
+        """Delete this rank's files, and the run's folder once no rank's folder is left in it."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self.run_root.rmdir()
+        except OSError:
+            pass  # another rank's folder is still there, or it is gone already

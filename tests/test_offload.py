@@ -1,0 +1,154 @@
+"""Optimizer offload: Adam state in host memory (CPU Adam) or in NVMe swap files (pipelined or
+not) gives bit for bit the parameters of the in-memory optimizer under ZeRO stages 1-3, with MoE;
+resumes from a checkpoint taken while swapping; and fails with clear errors."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.errors import ConfigError, UserError
+from megatron.model.moe import MoEConfig, MoELayer
+from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
+from megatron.runtime import initialize
+from megatron.runtime.engine import Engine
+from megatron.runtime.swap.swapped_adam import SwapError
+from tests.dist_utils import run_distributed
+
+H, BATCH, STEPS, SAVE_AT = 24, 8, 10, 5
+ROUTING = MoEConfig(topk=1, drop_tokens=False, use_rts=False, sample_second_expert=False, aux_loss_coeff=0.0)
+OFFLOADS = {
+    "memory": None,
+    "cpu": {"device": "cpu"},
+    "nvme": {"device": "nvme"},
+    "nvme-pipelined": {"device": "nvme", "pipeline_read": True, "pipeline_write": True, "buffer_count": 3},
+}
+
+
+class Net(nn.Module):
+    """Shards of a few thousand elements: several 1024-element sub-groups each."""
+
+    def __init__(self, moe: bool, ep_group: torch.distributed.ProcessGroup | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(H, 4 * H), nn.Linear(4 * H, 1)
+        self.moe = MoELayer(4 * H, 2 * H, 4, ROUTING, init_std=0.1, output_init_std=0.05, ep_group=ep_group) if moe else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.moe is not None:
+            h = h + self.moe(h)[0]
+        return self.out(h)
+
+
+def make_engine(grid: ParallelGrid, moe: bool, stage: int, offload: str, swap_dir: str, sub_group: int = 1024) -> Engine:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group}
+    if OFFLOADS[offload] is not None:
+        zero["offload_optimizer"] = {**OFFLOADS[offload], "nvme_path": swap_dir}
+    config = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+              "gradient_clipping": 1.0, "zero_optimization": zero, "aio": {"block_size": 8192, "queue_depth": 4}}
+    return initialize(Net(moe, grid.ep_group), config, grid)
+
+
+def train(engine: Engine, first: int, last: int) -> None:
+    grid = engine.parallel
+    rows = BATCH // grid.dp_size
+    for step in range(first, last):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(BATCH, 3, H, generator=generator), torch.randn(BATCH, 3, 1, generator=generator)
+        part = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
+        engine.backward(((engine(x[part]) - y[part]) ** 2).mean())
+        engine.step()
+
+
+def parameters(engine: Engine, label: str) -> dict[str, torch.Tensor]:
+    with engine.whole_parameters():
+        return {f"{label}/{name}": p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def _two_ranks(swap_dir: str) -> dict[str, torch.Tensor]:
+    grids = {ep: build_parallel_grid(torch.device("cpu"), ep_size=ep) for ep in (1, 2)}
+    out: dict[str, torch.Tensor] = {}
+    for moe, ep in ((False, 1), (True, 2)):
+        for stage in (1, 2, 3):
+            for offload in OFFLOADS:
+                engine = make_engine(grids[ep], moe, stage, offload, swap_dir)
+                train(engine, 0, STEPS)
+                out.update(parameters(engine, f"{moe:d}-{stage}-{offload}"))
+    # a checkpoint taken while swapping resumes into swapping with other sub-groups, and into memory
+    saved = make_engine(grids[2], True, 2, "nvme-pipelined", swap_dir)
+    train(saved, 0, SAVE_AT)
+    saved.save_checkpoint(swap_dir + "/ckpt", "tag")
+    for offload, sub_group in (("nvme", 2048), ("memory", 1024)):
+        resumed = make_engine(grids[2], True, 3, offload, swap_dir, sub_group)
+        resumed.load_checkpoint(swap_dir + "/ckpt", "tag")
+        train(resumed, SAVE_AT, STEPS)
+        out.update(parameters(resumed, f"resumed-{offload}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
+    return run_distributed(_two_ranks, 2, str(tmp_path_factory.mktemp("swap")))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_optimizer_equals_in_memory_bit_for_bit(two_ranks, moe, stage):
+    for result in two_ranks:
+        reference = {k.split("/", 1)[1]: v for k, v in result.items() if k.startswith(f"{moe:d}-{stage}-memory/")}
+        assert reference
+        for offload in ("cpu", "nvme", "nvme-pipelined"):
+            for name, value in reference.items():
+                assert torch.equal(result[f"{moe:d}-{stage}-{offload}/{name}"], value), f"{offload} {name}"
+
+
+def test_checkpoint_taken_while_swapping_resumes(two_ranks):
+    for result in two_ranks:
+        for offload in ("nvme", "memory"):
+            keys = [k for k in result if k.startswith(f"resumed-{offload}/")]
+            assert keys
+            for key in keys:
+                uninterrupted = result[f"1-2-memory/{key.split('/', 1)[1]}"]
+                torch.testing.assert_close(result[key], uninterrupted, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def single_engine(tmp_path: Path, **offload: object) -> Engine:
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path), **offload}}}
+    return initialize(Net(False, None), config, single_process_grid(torch.device("cpu")))
+
+
+def test_swap_folder_is_per_run_and_removed(tmp_path):
+    first, second = single_engine(tmp_path), single_engine(tmp_path)
+    folders = {first.optimizer.folder.path, second.optimizer.folder.path}
+    assert len(folders) == 2 and all(f.parent.parent == tmp_path and f.name == "rank0" for f in folders)
+    assert all(any(f.glob("*.swp")) for f in folders)  # zeros written at start-up (no fast_init)
+    first.optimizer.folder.remove()
+    assert not first.optimizer.folder.run_root.exists() and second.optimizer.folder.path.exists()
+    fast = single_engine(tmp_path, fast_init=True)
+    assert not any(fast.optimizer.folder.path.glob("*.swp"))
+
+
+def test_offload_errors_are_clear(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="buffer_count 2 is too few .* at least 3"):
+        single_engine(tmp_path, pipeline_read=True, pipeline_write=True, buffer_count=2)
+    with pytest.raises(ConfigError, match="needs zero_optimization.offload_optimizer.nvme_path"):
+        single_engine(tmp_path, nvme_path=None)
+    with pytest.raises(ConfigError, match="offload_optimizer needs ZeRO"):
+        initialize(Net(False, None), {"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+                   single_process_grid(torch.device("cpu")))
+    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
+    with pytest.raises(ConfigError, match=r"needs [\d,]+ bytes .* has 100 free"):
+        single_engine(tmp_path)
+
+
+def test_a_failed_swap_stops_training_with_a_clear_error(tmp_path):
+    engine = single_engine(tmp_path)
+    for path in engine.optimizer.folder.path.glob("*.swp"):
+        path.unlink()  # the disk lost the files: the next read fails
+    engine.backward(engine(torch.randn(2, 3, H)).square().mean())
+    with pytest.raises(SwapError, match="swapping optimizer state failed .* the last checkpoint is intact"):
+        engine.step()
