@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.deepspeed_config import explicit_flags, merge_deepspeed_config
+from megatron.distill_config import DistillConfig, add_distill_args, distill_config_from_args
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
@@ -85,6 +86,7 @@ class CheckpointConfig:
     save_interval: int | None
     load_optim: bool
     load_rng: bool
+    reset_iteration: bool  # --load reads the weights only and the run starts at iteration 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class PretrainConfig:
     logging: LoggingConfig
     checkpoint: CheckpointConfig
     flags: dict[str, Any]  # the parsed flags as given, saved with every checkpoint
+    distill: DistillConfig | None = None  # None: no teacher
+    dry_run: bool = False  # size the model on the meta device and stop
 
     def runtime_config(self, dp_size: int) -> RuntimeConfig:
         """The engine's config for these flags, with batch sizes checked against `dp_size`."""
@@ -124,10 +128,14 @@ class PretrainConfig:
         return resolve_batch_sizes(config, dp_size)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(sizing: bool = False) -> argparse.ArgumentParser:
+    """Every flag of pretrain_gpt.py; with `sizing` (tools/model_size.py) the training-only
+    required flags become optional, as only the model's shape is read."""
     parser = argparse.ArgumentParser(
         description="Pretrain a GPT model (Megatron-style flags).", allow_abbrev=False,
     )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the model on the meta device, print its size and memory per rank, and stop")
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -181,12 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-mask-loss", action="store_true")
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, required=not sizing)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch x data-parallel size")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--train-tokens", type=int, default=None)
-    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--lr", type=float, required=not sizing)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=None)
@@ -228,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--reset-iteration", action="store_true",
+                   help="--load only the weights and start at iteration 0 with a fresh optimizer and LR schedule")
+    add_distill_args(parser)
     return parser
 
 
@@ -257,6 +268,29 @@ def _tokens(args: argparse.Namespace, kind: str, seq: int, gbs: int, default_tok
     return value * gbs * seq if which.endswith("iters") else value * seq if which.endswith("samples") else value
 
 
+def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
+    """The model's shape from the flags (vocab_size is filled in once the tokenizer is known)."""
+    max_positions = args.max_position_embeddings or args.seq_length
+    return GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
+        rotary_base=args.rotary_base, checkpoint_activations=args.checkpoint_activations,
+        num_experts=tuple(args.num_experts), expert_interval=args.expert_interval, mlp_type=args.mlp_type,
+        moe=MoEConfig(
+            topk=args.topk, train_capacity_factor=args.moe_train_capacity_factor,
+            eval_capacity_factor=args.moe_eval_capacity_factor, min_capacity=args.moe_min_capacity,
+            drop_tokens=not args.disable_moe_token_dropping, use_rts=not args.disable_moe_rts,
+            noisy_gate_policy=None if args.moe_noisy_gate_policy == "None" else args.moe_noisy_gate_policy,
+            sample_second_expert=not args.disable_moe_top2_2nd_expert_sampling,
+            aux_loss_coeff=args.moe_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+            use_residual=args.mlp_type == "residual",
+        ),
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                      "global_batch_size", "train_iters", "train_samples", "train_tokens", "log_interval",
@@ -278,24 +312,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     length_flag = _one_of(args, ["train_iters", "train_samples", "train_tokens"], required=True)
     per_iter = {"train_iters": 1, "train_samples": gbs, "train_tokens": gbs * seq}[length_flag]
     train_iters = math.ceil(getattr(args, length_flag) / per_iter)
-    model = GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
-        position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
-        rotary_base=args.rotary_base, checkpoint_activations=args.checkpoint_activations,
-        num_experts=tuple(args.num_experts), expert_interval=args.expert_interval, mlp_type=args.mlp_type,
-        moe=MoEConfig(
-            topk=args.topk, train_capacity_factor=args.moe_train_capacity_factor,
-            eval_capacity_factor=args.moe_eval_capacity_factor, min_capacity=args.moe_min_capacity,
-            drop_tokens=not args.disable_moe_token_dropping, use_rts=not args.disable_moe_rts,
-            noisy_gate_policy=None if args.moe_noisy_gate_policy == "None" else args.moe_noisy_gate_policy,
-            sample_second_expert=not args.disable_moe_top2_2nd_expert_sampling,
-            aux_loss_coeff=args.moe_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
-            use_residual=args.mlp_type == "residual",
-        ),
-    )
+    model = model_config_from_args(args)
     data = DataConfig(
         data_path=tuple(args.data_path) if args.data_path else None,
         train_data_path=tuple(args.train_data_path) if args.train_data_path else None,
@@ -329,11 +346,15 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         eval_at_start=args.eval_at_start, tensorboard_dir=args.tensorboard_dir,
     )
+    if args.reset_iteration and not args.load:
+        raise ConfigError("--reset-iteration restarts from the weights in --load; add --load DIR or drop it")
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, reset_iteration=args.reset_iteration,
     )
-    return PretrainConfig(model, data, training, logging, checkpoint, flags=vars(args))
+    distill = distill_config_from_args(args, training.tokens_per_iteration)
+    return PretrainConfig(model, data, training, logging, checkpoint, flags=vars(args), distill=distill,
+                          dry_run=args.dry_run)
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:

@@ -1,16 +1,21 @@
-"""`pretrain_gpt.py` / `megatron-pretrain-gpt`: parse flags, build the rank grid, train."""
+"""`pretrain_gpt.py` / `megatron-pretrain-gpt`: parse flags, build the rank grid, train (or, with
+--dry-run, check the flags and print the model's size without building it)."""
 
 from megatron.arguments import parse_args, with_data_parallel_size
 from megatron.entry_point import run_entry_point
-from megatron.parallel import build_parallel_grid
+from megatron.model_size import dry_run
+from megatron.parallel import build_parallel_grid, launched_world_size
 from megatron.training import TrainResult, pretrain
 
 
-def _pretrain(argv: list[str] | None) -> TrainResult:
+def _pretrain(argv: list[str] | None) -> TrainResult | None:
     config = parse_args(argv)
+    if config.dry_run:  # no process group: the world size is what torchrun would start
+        world = launched_world_size(config.training.expert_parallel_size)
+        return dry_run(with_data_parallel_size(config, world), world)
     grid = build_parallel_grid(ep_size=config.training.expert_parallel_size)
     return pretrain(with_data_parallel_size(config, grid.dp_size), grid)
 
 
-def main(argv: list[str] | None = None) -> TrainResult:
+def main(argv: list[str] | None = None) -> TrainResult | None:
     return run_entry_point(lambda: _pretrain(argv))

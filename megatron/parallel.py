@@ -62,15 +62,21 @@ def single_process_grid(device: torch.device | None = None) -> ParallelGrid:
     return ParallelGrid(1, 0, 1, 0, None, device or default_device())
 
 
-def build_parallel_grid(device: torch.device | None = None, ep_size: int = 1) -> ParallelGrid:
-    """Initialise torch.distributed from torchrun's environment (if any) and build the groups."""
-    device = device or default_device()
+def launched_world_size(ep_size: int = 1) -> int:
+    """The number of processes torchrun started (1 without it), checked against the expert-parallel size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size % ep_size:
         raise ConfigError(
             f"--moe-expert-parallel-size {ep_size} does not divide the {world_size} ranks; "
             "choose an expert-parallel size that divides the number of processes"
         )
+    return world_size
+
+
+def build_parallel_grid(device: torch.device | None = None, ep_size: int = 1) -> ParallelGrid:
+    """Initialise torch.distributed from torchrun's environment (if any) and build the groups."""
+    device = device or default_device()
+    world_size = launched_world_size(ep_size)
     if world_size == 1 and not dist.is_initialized():
         return single_process_grid(device)
     if not dist.is_initialized():

@@ -10,11 +10,13 @@ import numpy as np
 import torch
 
 from megatron.arguments import PretrainConfig
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
+from megatron.distill import distillation_losses, init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.errors import DataError
+from megatron.losses import masked_mean
 from megatron.model import GPTModel
 from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
@@ -29,6 +31,7 @@ class TrainResult:
 
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
+    kd_losses: list[float] = field(default_factory=list)  # T^2 * KL to the teacher per iteration, 0 without KD
     validation: list[tuple[int, float]] = field(default_factory=list)
     test_loss: float | None = None
     checkpoint: str | None = None
@@ -56,8 +59,7 @@ def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, vocab_size: int
 def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked-mean cross entropy and the model's MoE router loss (aux + z-loss, weighted)."""
     losses_BS, router_loss = engine(batch["tokens"], labels_BS=batch["labels"])
-    mask = batch["loss_mask"]
-    return (losses_BS * mask).sum() / mask.sum().clamp(min=1.0), router_loss
+    return masked_mean(losses_BS, batch["loss_mask"]), router_loss
 
 
 class Trainer:
@@ -77,9 +79,12 @@ class Trainer:
         self.model_config = replace(config.model, vocab_size=vocab)
         model = GPTModel(self.model_config, ep_group=grid.ep_group).to(grid.device)
         self.moe_monitor = MoEMonitor(model)
-        t = config.training
+        t, ckpt = config.training, config.checkpoint
+        starts_fresh = not ckpt.load or latest_iteration(ckpt.load) is None
+        # teacher checks and the student's init from the teacher come before the engine copies the weights
+        self.teacher = self._setup_teacher(model, starts_fresh)
         runtime = config.runtime_config(grid.dp_size)
-        optimizer = build_optimizer(model, runtime)
+        optimizer = build_optimizer(model, runtime, rank=grid.rank)
         scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
             optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
             decay_steps=t.lr_decay_tokens, decay_style=t.lr_decay_style, increment=t.tokens_per_iteration,
@@ -92,12 +97,48 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.saved_iteration: int | None = None
-        ckpt = config.checkpoint
         if ckpt.load:
-            client = load_checkpoint(self.engine, ckpt.load, grid, load_optim=ckpt.load_optim, load_rng=ckpt.load_rng)
-            if client is not None:
+            client = load_checkpoint(self.engine, ckpt.load, grid, load_optim=ckpt.load_optim and not ckpt.reset_iteration,
+                                     load_rng=ckpt.load_rng)
+            if client is not None and ckpt.reset_iteration:
+                self.log.info(f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
+                              "fresh optimizer and LR schedule, starting at iteration 0")
+            elif client is not None:
                 self.iteration = self.saved_iteration = client["iteration"]
                 self.consumed_samples = client["consumed_samples"]
+
+    def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> GPTModel | None:
+        """Check the teacher, initialise a fresh student from it if asked, and return it while KD
+        is still to run; a run resuming after the KD stop does not read the teacher at all."""
+        d, ckpt = self.config.distill, self.config.checkpoint
+        if d is None:
+            return None
+        start = 0 if starts_fresh or ckpt.reset_iteration else latest_iteration(ckpt.load)
+        init = d.init_from_teacher and starts_fresh
+        if not d.kd_active(start) and not init:
+            if d.kd:
+                self.log.info(f" > knowledge distillation stopped at iteration {d.stop_iteration} and this run resumes "
+                              f"at {start}: the teacher is not loaded")
+            return None
+        folder, saved = teacher_checkpoint(d, self.model_config, self.config.training.seq_length, self.grid.ep_size)
+        if init:
+            self.log.info(init_student_from_teacher(model, folder, saved))
+        if not d.kd_active(start):
+            return None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.training.precision)
+        teacher = load_teacher(folder, saved, self.grid, dtype)
+        until = f"until iteration {d.stop_iteration}" if d.stop_iteration is not None else "for the whole run"
+        self.log.info(f" > teacher {folder}: {sum(p.numel() for p in teacher.parameters()):,} parameters on this rank, "
+                      f"{saved.num_layers} layers, experts per layer {saved.experts_per_layer}; KD alpha {d.alpha_ce} "
+                      f"beta {d.beta_ce} temperature {d.temperature}, {until}")
+        return teacher
+
+    def _stop_kd(self) -> None:
+        self.teacher = None  # the only reference: its memory goes back now
+        if self.grid.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.log.info(f" > knowledge distillation stopped at iteration {self.iteration}: teacher freed, "
+                      "training continues on the LM loss alone")
 
     def _build_datasets(self) -> tuple[Any, Any, Any]:
         """The first rank builds (and caches) the index arrays; the others then load them."""
@@ -139,15 +180,23 @@ class Trainer:
 
     def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One global batch: every micro-batch forward + backward, then the engine's step.
-        Returns the mean [lm loss, moe loss] of its micro-batches."""
+        Returns the mean [lm loss, moe loss, kd loss] of its micro-batches."""
         self.engine.module.train()
-        total = torch.zeros(2, device=self.grid.device)
+        total = torch.zeros(3, device=self.grid.device)
+        d = self.config.distill
         for _ in range(self.engine.gradient_accumulation_steps):
-            loss, router_loss = lm_loss(self.engine, self._batch(data_iter))
-            self.engine.backward(loss + router_loss)
+            batch = self._batch(data_iter)
+            if self.teacher is None:
+                loss, router_loss = lm_loss(self.engine, batch)
+                kd = torch.zeros((), device=self.grid.device)
+                objective = loss + router_loss
+            else:
+                loss, router_loss, kd = distillation_losses(self.engine, self.teacher, batch, d.temperature)
+                objective = d.alpha_ce * loss + router_loss + d.beta_ce * kd
+            self.engine.backward(objective)
             self.engine.step()
             self.moe_monitor.accumulate()
-            total += torch.stack([loss.detach(), router_loss.detach()])
+            total += torch.stack([loss.detach(), router_loss.detach(), kd.detach()])
         return total / self.engine.gradient_accumulation_steps
 
     @torch.no_grad()
@@ -192,19 +241,24 @@ class Trainer:
             interval_losses.append(self.train_step(data_iter))
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
+            if self.teacher is not None and not cfg.distill.kd_active(self.iteration):
+                self._stop_kd()
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 if self.grid.device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = (time.perf_counter() - interval_start) / len(interval_losses)
                 interval = torch.stack(interval_losses)
                 result.losses += interval[:, 0].tolist()
-                lm, moe = (self._dp_mean(value) for value in interval.mean(0))
+                result.kd_losses += interval[:, 2].tolist()
+                lm, moe, kd = (self._dp_mean(value) for value in interval.mean(0))
+                kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(interval))
                 self.log.training_line(self.iteration, t.train_iters, {
                     "consumed_samples": self.consumed_samples,
                     "consumed_tokens": self.consumed_samples * t.seq_length,
                     "iteration_ms": 1000.0 * seconds, "lr": self.engine.get_lr()[0],
                     "global_batch_size": t.global_batch_size,
                     "lm_loss": lm, "moe_loss": moe if self.model_config.is_moe else None,
+                    "kd_loss": kd if kd_in_interval else None,
                     "loss_scale": self.engine.loss_scaler.scale if t.precision == "fp16" else None,
                     "grad_norm": self.engine.last_grad_norm,
                     "skipped": self.engine.skipped_steps - interval_skipped,

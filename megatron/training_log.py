@@ -39,6 +39,8 @@ class TrainingLogger:
         ]
         if stats.get("moe_loss") is not None:
             fields.append(f"moe loss: {stats['moe_loss']:.6E}")
+        if stats.get("kd_loss") is not None:
+            fields.append(f"kd loss: {stats['kd_loss']:.6E}")
         if stats.get("loss_scale") is not None:
             fields.append(f"loss scale: {stats['loss_scale']:.1f}")
         fields += [
@@ -54,6 +56,7 @@ class TrainingLogger:
             "tflops": stats["tflops"], "batch-size": stats["global_batch_size"],
             **({"loss-scale": stats["loss_scale"]} if stats.get("loss_scale") is not None else {}),
             **({"moe loss": stats["moe_loss"]} if stats.get("moe_loss") is not None else {}),
+            **({"kd loss": stats["kd_loss"]} if stats.get("kd_loss") is not None else {}),
         })
 
     def moe_lines(self, iteration: int, loads: list[LayerLoad]) -> None:

@@ -82,10 +82,15 @@ def load_model(
     client = read_client_state(folder)
     tokenizer = tokenizer_from_flags(client["flags"], tokenizer_overrides)
     config = inference_config(model_config_from_state(client["model_config"], folder))
+    return LoadedModel(build_saved_model(folder, config, grid), tokenizer, config, int(client["iteration"]), folder)
+
+
+def build_saved_model(folder: Path, config: GPTConfig, grid: ParallelGrid) -> GPTModel:
+    """`config`'s model on `grid` with the weights of checkpoint `folder`, in eval mode (each rank
+    reads only its own experts, whatever expert-parallel size saved them)."""
     model = GPTModel(config, ep_group=grid.ep_group)
     load_model_entries(model, ShardedReader(folder, "model"))
-    model = model.to(grid.device).eval()
-    return LoadedModel(model, tokenizer, config, int(client["iteration"]), folder)
+    return model.to(grid.device).eval()
 
 
 def add_load_args(parser: argparse.ArgumentParser) -> None:

@@ -58,9 +58,11 @@ class GPTModel(nn.Module):
         position_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits [B, S, V] without labels; with them, fp32 per-token cross entropy [B, S] and the
-        sum of the MoE layers' router losses (zero for a dense model)."""
+        sum of the MoE layers' router losses (zero for a dense model), and with `return_logits` also
+        the logits (distillation needs both, and the LM head then runs once)."""
         if position_ids_BS is None:
             start = 0 if kv_cache is None else kv_cache.length
             position_ids_BS = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
@@ -80,4 +82,6 @@ class GPTModel(nn.Module):
         if labels_BS is None:
             return logits_BSV
         losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
+        if return_logits:
+            return losses_BS.view_as(labels_BS), router_loss, logits_BSV
         return losses_BS.view_as(labels_BS), router_loss

@@ -5,22 +5,22 @@ Suggestion rule: smooth the loss with a bias-corrected EMA (beta 0.9), take the 
 smoothed loss is lowest and suggest one tenth of it (the lowest point is already at the edge of
 divergence, so a tenth leaves margin). The run stops early once the smoothed loss exceeds 4x its
 best, as the rest of the curve says nothing more. The plot is drawn with numpy and written by a
-small PNG writer so the tool needs no plotting library.
+small PNG writer (megatron/plotting.py) so the tool needs no plotting library.
 """
 
 import argparse
 import itertools
 import json
 import math
-import struct
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from megatron.errors import UserError
+from megatron.plotting import draw_line as _line
+from megatron.plotting import png_bytes
 from megatron.runtime.deepspeed_schedules import LRRangeTest
 
 EMA_BETA = 0.9
@@ -71,13 +71,6 @@ def suggest_lr(points: list[tuple[float, float]]) -> float:
     return points[lowest][0] / 10
 
 
-def _line(image: np.ndarray, x0: float, y0: float, x1: float, y1: float, color: tuple[int, int, int]) -> None:
-    count = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-    xs = np.rint(np.linspace(x0, x1, count)).astype(int).clip(0, image.shape[1] - 1)
-    ys = np.rint(np.linspace(y0, y1, count)).astype(int).clip(0, image.shape[0] - 1)
-    image[ys, xs] = color
-
-
 def draw_plot(points: list[tuple[float, float]], marker_lr: float, width: int = 640, height: int = 400) -> np.ndarray:
     """White canvas, black axes with decade ticks on the log-lr axis, blue loss curve, red marker."""
     image = np.full((height, width, 3), 255, dtype=np.uint8)
@@ -111,19 +104,6 @@ def draw_plot(points: list[tuple[float, float]], marker_lr: float, width: int = 
     if left <= marker_x <= right:
         _line(image, marker_x, top, marker_x, bottom, (210, 30, 30))
     return image
-
-
-def png_bytes(image: np.ndarray) -> bytes:
-    """8-bit RGB PNG: signature, IHDR, one zlib IDAT (filter 0 on every row), IEND."""
-    height, width, _ = image.shape
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    rows = np.concatenate([np.zeros((height, 1), dtype=np.uint8), image.reshape(height, width * 3)], axis=1)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9))
-            + chunk(b"IEND", b""))
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -96,8 +96,11 @@ class SwappedAdam(CPUAdam):
                 SubGroup(index, lo, min(lo + self.sub_group_size, param.numel()), self.folder.file(f"p{index}_s{lo // self.sub_group_size}.swp"))
                 for lo in range(0, param.numel(), self.sub_group_size)
             ]
-        largest = max((g.hi - g.lo for groups in self.sub_groups.values() for g in groups), default=1)
-        self.slots = [_Slot(self.aio, 2 * largest) for _ in range(self.offload.buffer_count)]
+        sub_groups = self._all_sub_groups()
+        largest = max((g.hi - g.lo for g in sub_groups), default=1)
+        # a ring longer than the sub-groups would hold locked memory that never gets used
+        ring = max(1, min(self.offload.buffer_count, len(sub_groups)))
+        self.slots = [_Slot(self.aio, 2 * largest) for _ in range(ring)]
         if not self.offload.fast_init:
             zeros = self.slots[0].buffer
             zeros.zero_()

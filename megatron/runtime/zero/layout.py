@@ -87,7 +87,10 @@ class PartitionLayout:
             flat_start += chunk * self.size
             shard_start += chunk
         self.padded_numel, self.shard_numel = flat_start, shard_start
-        self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device))
+
+    def new_shard(self) -> nn.Parameter:
+        """A zeroed fp32 master for this rank's chunks (subclasses decide whether they need one)."""
+        return nn.Parameter(torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device))
 
     def bucket_span(self, bucket: Bucket) -> slice:
         """The bucket's elements in the full padded layout."""

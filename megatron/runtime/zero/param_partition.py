@@ -19,6 +19,7 @@ class ParamPartition(PartitionLayout):
         bucket_params: list[list[int]],
     ) -> None:
         super().__init__(params, names, group, bucket_params)
+        self.shard = self.new_shard()
         self.shard_grad = torch.zeros_like(self.shard)
         self.shard.grad = self.shard_grad
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)

@@ -31,8 +31,7 @@ class FlatPartition(PartitionLayout):
         # on one rank in fp32 the layouts coincide: the master is the model's parameters and the
         # reduced gradient is the model's gradient, so a group of one costs no extra memory
         self.grads_are_shard = self.size == 1 and self.dtype == torch.float32
-        if self.grads_are_shard:
-            self.shard = nn.Parameter(self.flat_params)
+        self.shard = nn.Parameter(self.flat_params) if self.grads_are_shard else self.new_shard()
         self.shard_grad = self.flat_grads if self.grads_are_shard else torch.zeros_like(self.shard)
         self.copy_from_parameters()
 

@@ -10,6 +10,7 @@ collectives run while backward goes on (gloo and NCCL progress them in the backg
 `flush` launches what is left and waits for all of them.
 """
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -52,7 +53,14 @@ class BucketReducer:
         self.missing: dict[int, int] = {}
         self.ready: set[int] = set()
         self._reset()
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_done) for p in self.bucket_of]
+        # the hooks live inside the tensors, where Python's garbage collector cannot see them: a hook
+        # holding the reducer would keep it, its partitions and their buffers alive for ever
+        reducer = weakref.ref(self)
+
+        def grad_done(param: nn.Parameter) -> None:
+            if (alive := reducer()) is not None:
+                alive._grad_done(param)
+        self.hooks = [p.register_post_accumulate_grad_hook(grad_done) for p in self.bucket_of]
 
     def _reset(self) -> None:
         self.missing = {id(bucket): len(bucket.params) for queue in self.queues for _, bucket in queue.order}

@@ -1,0 +1,121 @@
+"""Mixture-of-Students (MoS) knowledge distillation: the teacher and what it adds to training.
+
+The teacher is its own `GPTModel` with its own config, read from its checkpoint (the
+`--*-teacher` flags only check it), loaded weights-only with any expert-parallel size. It runs
+in eval mode under no_grad and MoE-dropless, so its targets for a token depend on that token's
+text alone, never on which micro-batch it shares: 4 micro-batches x 1 equals 1 x 4 and EP=N
+equals EP=1 with the KD term on, as without it. The student's loss while KD is on:
+
+    alpha * LM cross entropy + MoE aux loss + beta * T^2 * KL(softmax(teacher/T) || softmax(student/T))
+
+Legend: B batch, S sequence, V (padded) vocabulary.
+"""
+
+from pathlib import Path
+
+import torch
+
+from megatron.checkpointing import latest_iteration
+from megatron.distill_config import DistillConfig
+from megatron.errors import CheckpointError, ConfigError
+from megatron.inference.checkpoint_model import build_saved_model, checkpoint_folder, model_config_from_state, read_client_state
+from megatron.inference.mode import inference_config
+from megatron.losses import kd_divergence_BS, masked_mean
+from megatron.model import GPTConfig, GPTModel
+from megatron.parallel import ParallelGrid
+from megatron.runtime.engine import Engine
+from megatron.runtime.state_io import ShardedReader, expert_ids
+
+
+def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, ep_size: int) -> tuple[Path, GPTConfig]:
+    """The teacher's checkpoint folder and saved config, checked against the teacher flags and the
+    student (vocabulary, positions, expert-parallel size) before anything is built."""
+    if latest_iteration(cfg.load_teacher) is None:
+        raise CheckpointError(
+            f"--load-teacher {cfg.load_teacher} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+            "pass the --save directory of the teacher's training run"
+        )
+    folder = checkpoint_folder(cfg.load_teacher)
+    client = read_client_state(folder)
+    saved = model_config_from_state(client["model_config"], folder)
+    wrong = cfg.teacher.mismatches(saved)
+    if wrong:
+        raise ConfigError(f"the teacher checkpoint {folder} does not match the teacher flags ({'; '.join(wrong)}); "
+                          "fix the --*-teacher flags or --load-teacher")
+    teacher_tokenizer = client["flags"].get("tokenizer_type")
+    if saved.vocab_size != student.vocab_size:
+        raise ConfigError(
+            f"the teacher's vocabulary has {saved.vocab_size} (padded) entries from its {teacher_tokenizer} but the "
+            f"student's has {student.vocab_size}; train the student with the teacher's tokenizer flags"
+        )
+    if saved.position_embedding_type == "learned_absolute" and saved.max_position_embeddings < seq_length:
+        raise ConfigError(f"the teacher has {saved.max_position_embeddings} positions but --seq-length is {seq_length}; "
+                          f"use a --seq-length of at most {saved.max_position_embeddings}")
+    uneven = [count for count in saved.experts_per_layer if count > 1 and count % ep_size]
+    if uneven:
+        raise ConfigError(f"the teacher's {uneven[0]} experts cannot be split over --moe-expert-parallel-size {ep_size}; "
+                          "choose an expert-parallel size that divides every teacher and student layer's expert count")
+    return folder, saved
+
+
+def load_teacher(folder: Path, saved: GPTConfig, grid: ParallelGrid, dtype: torch.dtype | None) -> GPTModel:
+    """The frozen teacher on `grid`, in eval mode, dropless; in `dtype` when training in half
+    precision (it is never updated, so it needs no fp32 master copy)."""
+    teacher = build_saved_model(folder, inference_config(saved), grid).requires_grad_(False)
+    return teacher.to(dtype) if dtype is not None else teacher
+
+
+def distillation_losses(
+    engine: Engine, teacher: GPTModel, batch: dict[str, torch.Tensor], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The student's masked-mean LM loss, its router loss, and the masked-mean T^2 * KL to the teacher."""
+    with torch.no_grad(), engine.autocast():
+        teacher_logits_BSV = teacher(batch["tokens"])
+    losses_BS, router_loss, logits_BSV = engine(batch["tokens"], labels_BS=batch["labels"], return_logits=True)
+    mask_BS = batch["loss_mask"]
+    kd = masked_mean(kd_divergence_BS(logits_BSV, teacher_logits_BSV, temperature), mask_BS)
+    return masked_mean(losses_BS, mask_BS), router_loss, kd
+
+
+def _global_shapes(config: GPTConfig) -> dict[str, torch.Size]:
+    """Every state entry's shape with all experts present (a meta-device build: no memory)."""
+    with torch.device("meta"):
+        return {name: tensor.shape for name, tensor in GPTModel(config).state_dict().items()}
+
+
+def init_student_from_teacher(student: GPTModel, folder: Path, teacher: GPTConfig) -> str:
+    """Copy into `student` every teacher tensor of the same name and shape: the embeddings, the
+    final layernorm and the layers the student has (layer i from teacher layer i), minus the
+    parts whose shapes differ (another expert count, say). Returns the log line saying which."""
+    teacher_shapes = _global_shapes(teacher)
+    taken = {name for name, shape in _global_shapes(student.config).items() if teacher_shapes.get(name) == shape}
+    if not taken:
+        raise ConfigError(f"no student weight has the shape of the teacher's in {folder}; "
+                          "--mos-init-from-teacher needs the same hidden size and vocabulary, drop it otherwise")
+    reader = ShardedReader(folder, "model")
+    whole, partly = [], []
+    with torch.no_grad():
+        for name, tensor in student.state_dict(keep_vars=True).items():
+            if name in taken:
+                tensor.copy_(reader.get_global(name, expert_ids(tensor)))
+        for index, layer in enumerate(student.layers):
+            names = [f"layers.{index}.{name}" for name in layer.state_dict()]
+            copied = sum(name in taken for name in names)
+            (whole if copied == len(names) else partly if copied else []).append(index + 1)
+    others = sorted({name.split(".")[0] for name in taken if not name.startswith("layers.")})
+    unused = range(student.config.num_layers + 1, teacher.num_layers + 1)
+    parts = [", ".join(others), f"layers {_spans(whole)} whole" if whole else "",
+             f"layers {_spans(partly)} partly (tensors of another shape, such as another expert count, stay fresh)"
+             if partly else "", f"teacher layers {_spans(list(unused))} unused" if unused else ""]
+    return f" > student initialised from the teacher {folder}: " + "; ".join(part for part in parts if part)
+
+
+def _spans(numbers: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)

@@ -1,0 +1,98 @@
+"""The quality study of docs/quality.md: the tiny CPU recipes on the demo corpus with equal training
+tokens (dense, MoE, PR-MoE, and the MoS student without KD, with KD throughout and with staged KD
+from the PR-MoE run as teacher). Writes validation-loss curves as a PNG, the numbers as JSON, and
+prints a Markdown table. Run `make demo` first (it builds the corpus); every run starts afresh.
+
+    python tools/quality_study.py --output docs/quality   # -> docs/quality.png, docs/quality.json
+    # runs (checkpoints, logs) go to --work-dir, default demo_output/quality_study
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("megatron") is None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.plotting import line_chart, png_bytes  # noqa: E402
+
+RECIPES = Path(__file__).resolve().parent.parent / "examples_deepspeed" / "MoE"
+# (label, recipe, environment); the MoS runs use the PR-MoE run's checkpoint as their teacher
+VARIANTS = [
+    ("dense", "ds_pretrain_gpt_tiny_dense_cpu.sh", {}),
+    ("MoE (8 experts, top-1)", "ds_pretrain_gpt_tiny_MoE_cpu.sh", {}),
+    ("PR-MoE (4/8 residual) = teacher", "ds_pretrain_gpt_tiny_PR-MoE_cpu.sh", {}),
+    ("MoS student, no KD", "ds_pretrain_gpt_tiny_MoS_cpu.sh", {"MOS_KD": "0"}),
+    ("MoS student, KD throughout", "ds_pretrain_gpt_tiny_MoS_cpu.sh", {"KD_STOP_TOKENS": "never"}),
+    ("MoS student, staged KD (off after 60%)", "ds_pretrain_gpt_tiny_MoS_cpu.sh", {}),
+]
+COLORS = [(40, 40, 40), (30, 90, 200), (210, 30, 30), (120, 120, 120), (30, 160, 60), (230, 140, 0)]
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+SPEED = re.compile(r"tokens per second: ([0-9.]+)")
+SIZE = re.compile(r"^(total parameters|active parameters per token): (\d+)$", re.M)
+
+
+def run(recipe: str, env: dict[str, str], dry: bool = False) -> str:
+    full = {**os.environ, **env, **({"DRY_RUN": "1"} if dry else {})}
+    done = subprocess.run(["bash", str(RECIPES / recipe)], env=full, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"error: {recipe} failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def study(work: Path, train_tokens: int) -> list[dict]:
+    shutil.rmtree(work, ignore_errors=True)  # the recipes resume from --load: start every run afresh
+    teacher = work / "variant3" / "checkpoint" / "tiny-PR-MoE"
+    results = []
+    for number, (label, recipe, extra) in enumerate(VARIANTS, start=1):
+        env = {"OUTPUT_DIR": str(work / f"variant{number}"), "TEACHER_DIR": str(teacher),
+               "TINY_TRAIN_TOKENS": str(train_tokens), "TINY_EVAL_INTERVAL": "20", **extra}
+        sizes = dict(SIZE.findall(run(recipe, env, dry=True)))
+        print(f"[{number}/{len(VARIANTS)}] {label}: training ...", flush=True)
+        log = run(recipe, env)
+        curve = [(int(it), float(loss)) for it, loss in VALIDATION.findall(log)]
+        speeds = [float(s) for s in SPEED.findall(log)]
+        results.append({
+            "number": number, "label": label, "recipe": recipe, "environment": extra,
+            "total_parameters": int(sizes["total parameters"]),
+            "active_parameters": int(sizes["active parameters per token"]),
+            "validation": curve, "final_validation_loss": curve[-1][1],
+            "tokens_per_second": sum(speeds[1:]) / max(len(speeds) - 1, 1),  # the first interval includes warm-up
+        })
+        print(f"    validation loss {curve[0][1]:.3f} -> {curve[-1][1]:.3f}, {results[-1]['tokens_per_second']:.0f} tokens/s",
+              flush=True)
+    return results
+
+
+def table(results: list[dict], train_tokens: int) -> str:
+    lines = [f"Equal training tokens: {train_tokens:,} per run.", "",
+             "| # | variant | total params | active params / token | final validation loss | tokens/s |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['number']} | {r['label']} | {r['total_parameters']:,} | {r['active_parameters']:,} | "
+              f"{r['final_validation_loss']:.3f} | {r['tokens_per_second']:.0f} |" for r in results]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=Path("docs/quality"), help="writes OUTPUT.png and OUTPUT.json")
+    parser.add_argument("--work-dir", type=Path, default=Path("demo_output/quality_study"),
+                        help="checkpoints and logs of the runs (emptied first)")
+    parser.add_argument("--train-tokens", type=int, default=307200, help="per run (300 iterations of 8 x 128)")
+    args = parser.parse_args(argv)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    results = study(args.work_dir, args.train_tokens)
+    # from the first evaluation after the start: the untrained loss would squash the differences
+    curves = [([(float(it), loss) for it, loss in r["validation"] if it > 0], COLORS[i]) for i, r in enumerate(results)]
+    args.output.with_suffix(".png").write_bytes(png_bytes(line_chart(curves)))
+    args.output.with_suffix(".json").write_text(json.dumps({"train_tokens": args.train_tokens, "runs": results}, indent=1))
+    print(table(results, args.train_tokens))
+
+
+if __name__ == "__main__":
+    main()
