@@ -44,7 +44,9 @@ setup(
     name="megatron-moe",
     version="0.1.0",
     description="Megatron-style pretraining toolkit for Mixture-of-Experts GPT models",
-    packages=find_packages(include=["megatron", "megatron.*"]),
+    packages=find_packages(include=["megatron", "megatron.*", "tasks", "tasks.*"]),
+    # the local evaluation tasks: lm-eval task definitions and their tiny JSONL data
+    package_data={"tasks.eval_harness": ["tasks/*.yaml", "data/*.jsonl"]},
     ext_modules=[AIO_EXTENSION, ADAM_EXTENSION],
     python_requires=">=3.10",
     install_requires=[

@@ -244,20 +244,25 @@ def test_trainer_with_zero_stage_flag_or_json_equals_stage_0(tmp_path):
                                                msg=f"{run}{stage}/{name}")
 
 
-def _four_ranks() -> dict[str, torch.Tensor]:
+def _four_ranks(two_rank_save: str, save: str) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"), ep_size=2)  # experts: EP 2 x expert-DP 2
     out: dict[str, torch.Tensor] = {}
     for moe in (False, True):
         for stage in (1, 2, 3):
             engine = make_engine(grid, moe, stage)
-            train(engine, 0, STEPS)
+            train(engine, 0, STEPS, save if moe and stage == 3 else None)
             out.update(parameters(engine, f"moe{moe:d}-stage{stage}"))
             out[f"numel/moe{moe:d}-stage{stage}"] = torch.tensor(state_numel(engine))
+    resumed = make_engine(grid, True, 3)  # saved on 2 ranks (EP=1, stage 1), resumed on 4 (EP=2, stage 3)
+    resumed.load_checkpoint(two_rank_save + "/stage1", "ckpt")
+    train(resumed, SAVE_AT, STEPS)
+    out.update(parameters(resumed, "resumed"))
     return out
 
 
-def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state():
-    results = run_distributed(_four_ranks, 4)
+def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state_and_checkpoints_move(two_ranks, tmp_path):
+    _, two_rank_save = two_ranks
+    results = run_distributed(_four_ranks, 4, two_rank_save, str(tmp_path))
     for moe in (False, True):
         single = single_process(moe)
         full_state = 2 * sum(p.numel() for p in Net(moe, None).parameters())  # Adam: exp_avg and exp_avg_sq
@@ -269,3 +274,14 @@ def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state():
                                                atol=1e-5, msg=f"rank {rank} {key}")
                 if not moe:  # padding to a multiple of 4 adds at most 3 elements per bucket (5 under stage 3)
                     assert int(result[f"numel/{label}"]) <= full_state // 4 + 2 * 3 * (5 if stage == 3 else 2)
+    # saved on 4 ranks under stage 3, resumed in one process; saved on 2 ranks, resumed on 4
+    uninterrupted = single_process(True)
+    from_four = single_process(True, load=str(tmp_path))
+    for rank, result in enumerate(results):
+        keys = [k for k in result if k.startswith("resumed/")]
+        assert keys
+        for key in keys:
+            name = key.split("/", 1)[1]
+            torch.testing.assert_close(result[key], uninterrupted[f"single/{name}"], rtol=1e-4, atol=1e-5, msg=key)
+            torch.testing.assert_close(from_four[f"single/{name}"], result[f"moe1-stage3/{name}"], rtol=1e-4, atol=1e-5,
+                                       msg=name)

@@ -1,9 +1,12 @@
 """What each ZeRO stage does around forward, backward and the optimizer step.
 
-Stage 1 partitions the fp32 master weights and optimizer state and reduces gradients bucket by
-bucket at the step; stage 2 reduces them during the last micro-batch's backward as buckets fill
-(overlapping compute with `overlap_comm`); stage 3 partitions the parameters too, gathering them
-per module (megatron/runtime/zero/gatherer.py) and reducing gradients during every backward.
+Stages 1 and 2 partition the fp32 master weights and optimizer state and, as DeepSpeed's do,
+reduce the gradients bucket by bucket during the backward of the last micro-batch of an
+accumulation, as buckets fill (in the background with `overlap_comm`). Here the two stages differ
+in name only: both keep the model's whole gradients in one flat buffer for accumulation, where
+DeepSpeed's stage 2 would hold only reduced partitions. Stage 3 partitions the parameters too,
+gathering them per module (megatron/runtime/zero/gatherer.py) and reducing gradients during every
+backward, so no rank holds whole gradients.
 Dense parameters are partitioned over the data-parallel group, experts over their
 expert-data-parallel group; a group of one rank needs no gathering, so its parameters stay whole.
 """
@@ -78,9 +81,9 @@ class ZeroRuntime:
             self.param_reducer.armed = True
 
     def before_backward(self, boundary: bool) -> None:
-        """Stage 2 reduces during the backward that ends an accumulation; stage 3 during every one."""
+        """Stages 1 and 2 reduce during the backward that ends an accumulation; stage 3 during every one."""
         if self.flat_reducer is not None:
-            self.flat_reducer.armed = boundary and self.stage >= 2
+            self.flat_reducer.armed = boundary
         if self.gatherer is not None:
             self.gatherer.in_backward = True
 
