@@ -9,6 +9,7 @@ import torch
 
 from megatron.errors import UserError
 from megatron.ops import io_bench, nvme_tune
+from megatron.runtime.config import validate_runtime_config
 
 
 def _op_built() -> bool:
@@ -64,6 +65,8 @@ def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert block["block_size"] in (256 << 10, 1 << 20) and block["queue_depth"] == 4
     assert type(block["intra_op_parallelism"]) is int and block["single_submit"] is True
     assert block["overlap_events"] is False
+    # pasted into a runtime config, it is the block NVMe swapping reads
+    assert validate_runtime_config({"aio": block}).aio.model_dump() == block
     log = json.loads((tmp_path / "logs" / "nvme_tune.json").read_text())
     assert len(log["results"]) == 4 and list(nvme.iterdir()) == []
 
