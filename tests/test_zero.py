@@ -125,6 +125,7 @@ def _two_ranks(save: str) -> dict[str, torch.Tensor]:
             label = f"moe{moe:d}-ep{ep}-stage{stage}"
             out[f"numel/{label}"] = torch.tensor(state_numel(engine))
             out[f"held/{label}"] = torch.tensor(held_parameter_numel(engine))
+            out[f"grads/{label}"] = torch.tensor(sum(p.grad.numel() for p in engine.module.parameters() if p.grad is not None))
             out.update(parameters(engine, label))
     # saved with EP=1 under stage 1 (stage 3): load with EP=2 under stage 3 (stage 2)
     for prefetch in (0, 2 * LAYER_NUMEL):
@@ -181,7 +182,7 @@ def test_optimizer_state_per_rank_is_about_half(two_ranks):
         assert int(result["numel/moe1-ep2-stage1"]) < int(result["numel/moe1-ep2-stage0"])
 
 
-def test_stage_3_holds_half_the_parameters_between_steps_and_gathers_one_module_at_a_time(two_ranks):
+def test_stage_3_holds_half_the_parameters_and_stages_2_3_no_whole_gradients(two_ranks):
     results, _ = two_ranks
     for result in results:
         for label in ("moe0-ep1", "moe1-ep1"):
@@ -189,6 +190,11 @@ def test_stage_3_holds_half_the_parameters_between_steps_and_gathers_one_module_
             for stage in (3, "3-sync"):
                 assert whole / 2 <= int(result[f"held/{label}-stage{stage}"]) <= whole / 2 + 12
         assert int(result["held/moe1-ep2-stage3"]) < int(result["held/moe1-ep2-stage0"])
+        # stage 1 keeps whole gradients for accumulation; stages 2 and 3 free each bucket once reduced
+        for label in ("moe0-ep1", "moe1-ep1"):
+            assert int(result[f"grads/{label}-stage1"]) == int(result[f"held/{label}-stage0"])
+            for stage in (2, "2-buckets", 3, "3-sync"):
+                assert int(result[f"grads/{label}-stage{stage}"]) == 0
         # one layer at a time without prefetch; with a prefetch of two layers, three at most
         assert int(result["peak/prefetch0"]) == LAYER_NUMEL
         assert 2 * LAYER_NUMEL <= int(result[f"peak/prefetch{2 * LAYER_NUMEL}"]) <= 3 * LAYER_NUMEL

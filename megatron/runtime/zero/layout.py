@@ -9,7 +9,7 @@ the optimizer state. Because each bucket is split on its own, one reduce-scatter
 per bucket moves exactly the bucket's chunks between the full layout and the shards.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,23 @@ class PartitionLayout:
                 start = self.param_offsets[index] - bucket.flat_start
                 flat[start:start + self.numels[index]] = tensors[index].reshape(-1)
         return flat
+
+    @torch.no_grad()
+    def reduce_and_free_gradients(
+        self, bucket: Bucket, async_op: bool,
+    ) -> tuple[dist.Work | None, Callable[[], None] | None]:
+        """Move the bucket's gradients into one padded vector (freeing them), reduce-scatter it
+        and add this rank's chunk to `shard_grad` (partitioned gradients: stages 2 and 3). A
+        parameter without a gradient adds zeros."""
+        full = self.bucket_values(bucket, [p.grad for p in self.params])
+        for index in bucket.params:
+            self.params[index].grad = None
+        slot = self.shard_grad[self.chunk_span(bucket)]
+        if self.size == 1:
+            return None, lambda: slot.add_(full)
+        received = torch.empty(bucket.chunk, dtype=self.dtype, device=self.device)
+        work = dist.reduce_scatter_single(received, full, group=self.group, async_op=async_op)
+        return work, lambda: slot.add_(received)
 
     def pieces(self) -> Iterator[Piece]:
         """This rank's share of each model tensor, experts one by one under their global ids."""

@@ -50,17 +50,7 @@ class ParamPartition(PartitionLayout):
         for index in bucket.params:
             self.params[index].data = self._empty
 
-    @torch.no_grad()
-    def reduce_bucket(self, bucket: Bucket, async_op: bool) -> Reduction:
-        """Move the bucket's gradients into one padded vector (freeing them), reduce-scatter it
-        and add this rank's chunk to shard_grad. A parameter without a gradient adds zeros."""
-        full = self.bucket_values(bucket, [p.grad for p in self.params])
-        for index in bucket.params:
-            self.params[index].grad = None
-        received = torch.empty(bucket.chunk, dtype=self.dtype, device=self.device)
-        work = dist.reduce_scatter_single(received, full, group=self.group, async_op=async_op)
-        slot = self.shard_grad[self.chunk_span(bucket)]
-        return work, lambda: slot.add_(received)
+    reduce_bucket = PartitionLayout.reduce_and_free_gradients
 
     @torch.no_grad()
     def zero_gradients(self) -> None:

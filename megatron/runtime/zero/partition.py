@@ -1,8 +1,10 @@
-"""ZeRO stages 1 and 2: the model's parameters and gradients stay whole, as views of two flat
-buffers in the bucket layout (megatron/runtime/zero/layout.py). The all-gather of updated shards
-writes straight into the parameters and autograd accumulates straight into the flat gradients, so
-a step needs no concatenation and no copy back; each bucket's gradients are reduced into this
-rank's chunk of `shard_grad`.
+"""ZeRO stages 1 and 2: the model's parameters stay whole, as views of a flat buffer in the
+bucket layout (megatron/runtime/zero/layout.py), so the all-gather of updated shards writes
+straight into them. Under stage 1 the gradients are views of a second flat buffer that autograd
+accumulates into, reduced bucket by bucket into this rank's chunk of `shard_grad` at the end of an
+accumulation; under stage 2 (`partition_gradients`) no whole-model gradient buffer exists: each
+bucket's gradients are reduce-scattered as soon as backward has finished them, every micro-batch,
+added to `shard_grad` and freed.
 """
 
 from collections.abc import Callable
@@ -19,18 +21,19 @@ Reduction = tuple[dist.Work | None, Callable[[], None] | None]
 class FlatPartition(PartitionLayout):
     def __init__(
         self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup | None,
-        bucket_params: list[list[int]], reduce_scatter: bool = True,
+        bucket_params: list[list[int]], reduce_scatter: bool = True, partition_gradients: bool = False,
     ) -> None:
         super().__init__(params, names, group, bucket_params)
         self.reduce_scatter = reduce_scatter
         # padding stays zero in both buffers: nothing views it
         self.flat_params = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        self.flat_grads = torch.zeros_like(self.flat_params)
         self.param_views = self._views(self.flat_params)
-        self.grad_views = self._views(self.flat_grads)
         # on one rank in fp32 the layouts coincide: the master is the model's parameters and the
         # reduced gradient is the model's gradient, so a group of one costs no extra memory
         self.grads_are_shard = self.size == 1 and self.dtype == torch.float32
+        self.partition_gradients = partition_gradients and not self.grads_are_shard
+        self.flat_grads = None if self.partition_gradients else torch.zeros_like(self.flat_params)
+        self.grad_views = [] if self.flat_grads is None else self._views(self.flat_grads)
         self.shard = nn.Parameter(self.flat_params) if self.grads_are_shard else self.new_shard()
         self.shard_grad = self.flat_grads if self.grads_are_shard else torch.zeros_like(self.shard)
         self.copy_from_parameters()
@@ -76,6 +79,8 @@ class FlatPartition(PartitionLayout):
     def reduce_bucket(self, bucket: Bucket, async_op: bool) -> Reduction:
         """Sum one bucket's gradients over the group into this rank's chunk of shard_grad:
         reduce-scatter, or (reduce_scatter off) all-reduce in place and take the chunk."""
+        if self.partition_gradients:
+            return self.reduce_and_free_gradients(bucket, async_op)
         self._attach_gradients()
         full, slot = self.flat_grads[self.bucket_span(bucket)], self.shard_grad[self.chunk_span(bucket)]
         if self.grads_are_shard:
@@ -95,8 +100,11 @@ class FlatPartition(PartitionLayout):
     def zero_gradients(self) -> None:
         """Clear the gradients for the next accumulation, keeping the model's views (the engine
         calls this after each step, whether or not the optimizer stepped)."""
-        self.flat_grads.zero_()  # the next reduction overwrites every chunk of shard_grad
-        self._attach_gradients()
+        if self.partition_gradients:  # reductions add into shard_grad
+            self.shard_grad.zero_()
+        else:
+            self.flat_grads.zero_()  # the next reduction overwrites every chunk of shard_grad
+            self._attach_gradients()
         self.shard.grad = self.shard_grad
 
     @torch.no_grad()

@@ -1,12 +1,11 @@
 """What each ZeRO stage does around forward, backward and the optimizer step.
 
-Stages 1 and 2 partition the fp32 master weights and optimizer state and, as DeepSpeed's do,
-reduce the gradients bucket by bucket during the backward of the last micro-batch of an
-accumulation, as buckets fill (in the background with `overlap_comm`). Here the two stages differ
-in name only: both keep the model's whole gradients in one flat buffer for accumulation, where
-DeepSpeed's stage 2 would hold only reduced partitions. Stage 3 partitions the parameters too,
-gathering them per module (megatron/runtime/zero/gatherer.py) and reducing gradients during every
-backward, so no rank holds whole gradients.
+Stage 1 partitions the fp32 master weights and optimizer state; as DeepSpeed's does, it reduces
+the gradients bucket by bucket during the backward of the last micro-batch of an accumulation, as
+buckets fill (in the background with `overlap_comm`), and keeps the whole gradients for
+accumulation. Stage 2 partitions the gradients too: every backward reduce-scatters each bucket as
+soon as it is complete and frees it. Stage 3 partitions the parameters as well, gathering them per
+module (megatron/runtime/zero/gatherer.py).
 Dense parameters are partitioned over the data-parallel group, experts over their
 expert-data-parallel group; a group of one rank needs no gathering, so its parameters stay whole.
 """
@@ -64,7 +63,7 @@ class ZeroRuntime:
                     part: PartitionLayout = ParamPartition(params, param_names, comm, buckets_by_module(params, owner))
                 else:
                     part = FlatPartition(params, param_names, comm, buckets_by_size([p.numel() for p in params], config.bucket_numel),
-                                         reduce_scatter=config.reduce_scatter)
+                                         reduce_scatter=config.reduce_scatter, partition_gradients=self.stage >= 2)
                 self.partitions.append(part)
                 shards.append(part.shard)
             group["params"] = shards
@@ -81,20 +80,22 @@ class ZeroRuntime:
             self.param_reducer.armed = True
 
     def before_backward(self, boundary: bool) -> None:
-        """Stages 1 and 2 reduce during the backward that ends an accumulation; stage 3 during every one."""
+        """Stage 1 reduces during the backward that ends an accumulation; stages 2 and 3 during every one."""
         if self.flat_reducer is not None:
-            self.flat_reducer.armed = boundary
+            self.flat_reducer.armed = boundary or self.stage >= 2
         if self.gatherer is not None:
             self.gatherer.in_backward = True
 
     def after_backward(self) -> None:
+        if self.flat_reducer is not None and self.stage >= 2:
+            self.flat_reducer.flush()
         if self.param_reducer is not None:
             self.param_reducer.flush()
             self.gatherer.after_backward()
 
     def reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Finish every bucket's reduction; return this rank's (dense, expert) gradient shards."""
-        if self.flat_reducer is not None:
+        if self.flat_reducer is not None and self.stage == 1:  # stages 2 and 3 reduced after backward
             self.flat_reducer.armed = False
             self.flat_reducer.flush()
         return ([p.shard.grad for p in self.partitions if not p.is_expert],
