@@ -137,6 +137,10 @@ def test_offload_errors_are_clear(tmp_path, monkeypatch):
         single_engine(tmp_path, pipeline_read=True, pipeline_write=True, buffer_count=2)
     with pytest.raises(ConfigError, match="needs zero_optimization.offload_optimizer.nvme_path"):
         single_engine(tmp_path, nvme_path=None)
+    own = Net(False, None)
+    with pytest.raises(ConfigError, match="offload_optimizer to cpu needs the optimizer the config builds, but a SGD"):
+        initialize(own, {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+                   single_process_grid(torch.device("cpu")), optimizer=torch.optim.SGD(own.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="offload_optimizer needs ZeRO"):
         initialize(Net(False, None), {"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
                    single_process_grid(torch.device("cpu")))

@@ -113,6 +113,12 @@ class Engine:
         self.config = config
         self.parallel = parallel
         self.optimizer = optimizer or build_optimizer(self.module, config, rank=parallel.rank)
+        offload = config.zero_optimization.offload_optimizer.device
+        if offload != "none" and not isinstance(self.optimizer, CPUAdam):
+            raise ConfigError(
+                f"offload_optimizer to {offload} needs the optimizer the config builds, but a "
+                f"{type(self.optimizer).__name__} was passed; drop the optimizer argument or the offload block"
+            )
         if lr_scheduler is not None and config.scheduler is not None:
             raise ConfigError(
                 f"a scheduler object was passed and the config also names scheduler {config.scheduler.type!r}; "
