@@ -96,7 +96,7 @@ class SwappedAdam(CPUAdam):
                 SubGroup(index, lo, min(lo + self.sub_group_size, param.numel()), self.folder.file(f"p{index}_s{lo // self.sub_group_size}.swp"))
                 for lo in range(0, param.numel(), self.sub_group_size)
             ]
-        sub_groups = self._all_sub_groups()
+        sub_groups = [g for groups in self.sub_groups.values() for g in groups]
         largest = max((g.hi - g.lo for g in sub_groups), default=1)
         # a ring longer than the sub-groups would hold locked memory that never gets used
         ring = max(1, min(self.offload.buffer_count, len(sub_groups)))
@@ -104,12 +104,9 @@ class SwappedAdam(CPUAdam):
         if not self.offload.fast_init:
             zeros = self.slots[0].buffer
             zeros.zero_()
-            for sub_group in self._all_sub_groups():
+            for sub_group in sub_groups:
                 self._io(self.slots[0].writer.sync_pwrite, zeros[:2 * (sub_group.hi - sub_group.lo)], sub_group.file)
                 self.written.add(sub_group.file)
-
-    def _all_sub_groups(self) -> list[SubGroup]:
-        return [g for groups in self.sub_groups.values() for g in groups]
 
     @staticmethod
     def _io(transfer: Any, tensor: torch.Tensor, path: str) -> None:
