@@ -1,6 +1,7 @@
 """Optimizer offload: Adam state in host memory (CPU Adam) or in NVMe swap files (pipelined or
 not) gives bit for bit the parameters of the in-memory optimizer under ZeRO stages 1-3, with MoE;
-resumes from a checkpoint taken while swapping; and fails with clear errors."""
+so does stage-3 parameter offload (the master shards in swap files, read ahead through a few
+buffers); both resume from a checkpoint taken while swapping; and fail with clear errors."""
 
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ from megatron.model.moe import MoEConfig, MoELayer
 from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
 from megatron.runtime import initialize
 from megatron.runtime.engine import Engine
-from megatron.runtime.swap.swapped_adam import SwapError
+from megatron.runtime.swap.slots import SwapError
 from tests.dist_utils import run_distributed
 
 H, BATCH, STEPS, SAVE_AT = 24, 8, 10, 5
@@ -24,6 +25,13 @@ OFFLOADS = {
     "cpu": {"device": "cpu"},
     "nvme": {"device": "nvme"},
     "nvme-pipelined": {"device": "nvme", "pipeline_read": True, "pipeline_write": True, "buffer_count": 3},
+}
+# stage-3 parameter offload: host memory; every element swapped through one buffer; all but 1024
+# elements per rank swapped (a shard cut between memory and file) through two
+PARAM_OFFLOADS = {
+    "params-cpu": {"device": "cpu"},
+    "params-nvme": {"device": "nvme", "max_in_cpu": 0, "buffer_count": 1},
+    "params-nvme-1024": {"device": "nvme", "max_in_cpu": 1024, "buffer_count": 2},
 }
 
 
@@ -43,10 +51,14 @@ class Net(nn.Module):
         return self.out(h)
 
 
-def make_engine(grid: ParallelGrid, moe: bool, stage: int, offload: str, swap_dir: str, sub_group: int = 1024) -> Engine:
+def make_engine(
+    grid: ParallelGrid, moe: bool, stage: int, offload: str, swap_dir: str, sub_group: int = 1024, params: str | None = None,
+) -> Engine:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group}
     if OFFLOADS[offload] is not None:
         zero["offload_optimizer"] = {**OFFLOADS[offload], "nvme_path": swap_dir}
+    if params is not None:
+        zero["offload_param"] = {**PARAM_OFFLOADS[params], "nvme_path": swap_dir}
     config = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
               "gradient_clipping": 1.0, "zero_optimization": zero, "aio": {"block_size": 8192, "queue_depth": 4}}
     return initialize(Net(moe, grid.ep_group), config, grid)
@@ -77,6 +89,10 @@ def _two_ranks(swap_dir: str) -> dict[str, torch.Tensor]:
                 engine = make_engine(grids[ep], moe, stage, offload, swap_dir)
                 train(engine, 0, STEPS)
                 out.update(parameters(engine, f"{moe:d}-{stage}-{offload}"))
+        for params in PARAM_OFFLOADS:
+            engine = make_engine(grids[ep], moe, 3, "nvme-pipelined", swap_dir, params=params)
+            train(engine, 0, STEPS)
+            out.update(parameters(engine, f"{moe:d}-3-{params}"))
     # a checkpoint taken while swapping resumes into swapping with other sub-groups, and into memory
     saved = make_engine(grids[2], True, 2, "nvme-pipelined", swap_dir)
     train(saved, 0, SAVE_AT)
@@ -86,6 +102,14 @@ def _two_ranks(swap_dir: str) -> dict[str, torch.Tensor]:
         resumed.load_checkpoint(swap_dir + "/ckpt", "tag")
         train(resumed, SAVE_AT, STEPS)
         out.update(parameters(resumed, f"resumed-{offload}"))
+    # and one taken while the parameters are swapped, into a run that keeps more of them in memory
+    saved = make_engine(grids[2], True, 3, "nvme", swap_dir, params="params-nvme")
+    train(saved, 0, SAVE_AT)
+    saved.save_checkpoint(swap_dir + "/ckpt", "params")
+    resumed = make_engine(grids[2], True, 3, "nvme-pipelined", swap_dir, params="params-nvme-1024")
+    resumed.load_checkpoint(swap_dir + "/ckpt", "params")
+    train(resumed, SAVE_AT, STEPS)
+    out.update(parameters(resumed, "resumed-params"))
     return out
 
 
@@ -105,13 +129,23 @@ def test_offloaded_optimizer_equals_in_memory_bit_for_bit(two_ranks, moe, stage)
                 assert torch.equal(result[f"{moe:d}-{stage}-{offload}/{name}"], value), f"{offload} {name}"
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_swapped_parameters_equal_in_memory_bit_for_bit(two_ranks, moe):
+    for result in two_ranks:
+        reference = {k.split("/", 1)[1]: v for k, v in result.items() if k.startswith(f"{moe:d}-3-memory/")}
+        assert reference
+        for params in PARAM_OFFLOADS:
+            for name, value in reference.items():
+                assert torch.equal(result[f"{moe:d}-3-{params}/{name}"], value), f"{params} {name}"
+
+
 def test_checkpoint_taken_while_swapping_resumes(two_ranks):
     for result in two_ranks:
-        for offload in ("nvme", "memory"):
-            keys = [k for k in result if k.startswith(f"resumed-{offload}/")]
+        for resumed, stage in (("nvme", 2), ("memory", 2), ("params", 3)):
+            keys = [k for k in result if k.startswith(f"resumed-{resumed}/")]
             assert keys
             for key in keys:
-                uninterrupted = result[f"1-2-memory/{key.split('/', 1)[1]}"]
+                uninterrupted = result[f"1-{stage}-memory/{key.split('/', 1)[1]}"]
                 torch.testing.assert_close(result[key], uninterrupted, rtol=1e-6, atol=1e-7, msg=key)
 
 
@@ -156,3 +190,59 @@ def test_a_failed_swap_stops_training_with_a_clear_error(tmp_path):
     engine.backward(engine(torch.randn(2, 3, H)).square().mean())
     with pytest.raises(SwapError, match="swapping optimizer state failed .* the last checkpoint is intact"):
         engine.step()
+
+
+def swapping_engine(tmp_path: Path, **params: object) -> Engine:
+    """One process, stage 3, the whole master in swap files unless `params` say otherwise."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, **params}}
+    config = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+              "gradient_clipping": 1.0, "zero_optimization": zero}
+    return initialize(Net(True, None), config, single_process_grid(torch.device("cpu")))
+
+
+def test_one_process_swaps_parameters_reads_them_ahead_and_holds_none_between_uses(tmp_path, monkeypatch):
+    grid = single_process_grid(torch.device("cpu"))
+    reference = make_engine(grid, True, 3, "memory", str(tmp_path))
+    train(reference, 0, STEPS)
+    engine = swapping_engine(tmp_path, buffer_count=2)
+    parts = engine.partitions
+    assert parts and all(p.store.swapped and p.store.memory.numel() == 0 for p in parts)
+    assert all(p.shard.untyped_storage().nbytes() == 4 for p in parts)  # the optimizer's stand-in
+    in_use: list[int] = []
+    claim = type(engine.zero.swapper).claim
+
+    def counting_claim(swapper):
+        slot = claim(swapper)
+        in_use.append(len(swapper.slots) - len(swapper.free))
+        return slot
+    monkeypatch.setattr(type(engine.zero.swapper), "claim", counting_claim)
+    train(engine, 0, STEPS)
+    assert max(in_use) == 2  # reads ahead of use, never more than buffer_count at once
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # nothing gathered between steps
+    expected, got = parameters(reference, "x"), parameters(engine, "x")
+    assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_parameter_offload_errors_are_clear(tmp_path, monkeypatch):
+    net, grid = Net(False, None), single_process_grid(torch.device("cpu"))
+    with pytest.raises(ConfigError, match="offload_param needs zero_optimization.stage 3 .* got stage 2"):
+        initialize(net, {"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, grid)
+    with pytest.raises(ConfigError, match="offload_param to nvme needs offload_optimizer.device \"nvme\" too"):
+        initialize(net, {"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": str(tmp_path)}}}, grid)
+    with pytest.raises(ConfigError, match="needs zero_optimization.offload_param.nvme_path"):
+        swapping_engine(tmp_path, nvme_path=None)
+    with pytest.raises(ConfigError, match="offload_param.buffer_size 100 is smaller than a parameter piece .* at least 3,072"):
+        swapping_engine(tmp_path, buffer_size=100)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
+    with pytest.raises(ConfigError, match=r"needs [\d,]+ bytes for this rank's parameter partitions .* has 100 free"):
+        swapping_engine(tmp_path)
+
+
+def test_a_failed_parameter_swap_stops_training_with_a_clear_error(tmp_path):
+    engine = swapping_engine(tmp_path)
+    for path in engine.zero.swapper.folder.path.glob("params*.swp"):
+        path.unlink()
+    with pytest.raises(SwapError, match="swapping parameter partitions failed .* the last checkpoint is intact"):
+        engine(torch.randn(2, 3, H))

@@ -241,8 +241,8 @@ def test_unknown_scheduler_and_bad_zero_settings_are_clear_errors():
         initialize(small_model(), {"train_batch_size": 2, "scheduler": {"type": "WarmupCosine"}}, SINGLE)
     with pytest.raises(ConfigError, match="zero_optimization.stage.*should be 0, 1, 2 or 3"):
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 4}}, dp_size=1)
-    with pytest.raises(ConfigError, match="parameter offload to 'nvme' is not implemented yet"):
-        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"offload_param": {"device": "nvme"}}}, 1)
+    with pytest.raises(ConfigError, match="offload_param.buffer_count must be positive, got 0"):
+        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"buffer_count": 0}}}, 1)
     with pytest.raises(ConfigError, match="unknown key 'aio.queue_dept'.*'queue_depth'"):
         load_runtime_config({"train_batch_size": 2, "aio": {"queue_dept": 4}}, dp_size=1)
     with pytest.raises(ConfigError, match="reduce_bucket_size must be a positive number"):

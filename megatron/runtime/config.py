@@ -56,21 +56,23 @@ class OffloadOptimizerConfig(_Section):
 
 
 class OffloadParamConfig(_Section):
-    """`offload_param` (stage 3): parameter partitions in host memory or swap files. Not
-    implemented yet: only "none" is accepted."""
+    """`offload_param` (stage 3): where the parameter partitions (here: the fp32 master shards they
+    are gathered from) live. "cpu": host memory, where CPU training keeps them anyway; "nvme":
+    swap files under nvme_path, except the first `max_in_cpu` elements of each rank, read ahead of
+    use through `buffer_count` locked buffers of up to `buffer_size` elements."""
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = False  # host buffers here are always the aio op's locked ones
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
 
     def model_post_init(self, context: Any) -> None:
-        if self.device != "none":
-            raise ValueError(
-                f"parameter offload to {self.device!r} is not implemented yet in this toolkit; set device to \"none\" "
-                "(optimizer offload, offload_optimizer, works)"
-            )
+        for key in ("buffer_count", "buffer_size"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"offload_param.{key} must be positive, got {getattr(self, key)}")
+        if self.max_in_cpu < 0:
+            raise ValueError(f"offload_param.max_in_cpu must be zero or a positive number of elements, got {self.max_in_cpu}")
 
 
 class ZeroConfig(_Section):
@@ -100,6 +102,12 @@ class ZeroConfig(_Section):
         if self.offload_optimizer.device != "none" and self.stage == 0:
             raise ValueError("offload_optimizer needs ZeRO (stage 1, 2 or 3) to partition the state it moves; "
                              "set zero_optimization.stage")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(f"offload_param needs zero_optimization.stage 3 (only stage 3 partitions parameters), "
+                             f"got stage {self.stage}; set stage 3 or drop offload_param")
+        if self.offload_param.device == "nvme" and self.offload_optimizer.device != "nvme":
+            raise ValueError("offload_param to nvme needs offload_optimizer.device \"nvme\" too: the optimizer steps "
+                             "the swapped master piece by piece through the swap files; set offload_optimizer.device")
 
     @property
     def overlaps_communication(self) -> bool:

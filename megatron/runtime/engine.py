@@ -113,6 +113,12 @@ class Engine:
         self.config = config
         self.parallel = parallel
         self.optimizer = optimizer or build_optimizer(self.module, config, rank=parallel.rank)
+        param_offload = config.zero_optimization.offload_param.device
+        if param_offload != "none" and parallel.device.type != "cpu":
+            raise ConfigError(
+                f"offload_param to {param_offload} is implemented for CPU training only so far; "
+                "set offload_param.device to \"none\" on an accelerator"
+            )
         offload = config.zero_optimization.offload_optimizer.device
         if offload != "none" and not isinstance(self.optimizer, CPUAdam):
             raise ConfigError(
@@ -144,11 +150,12 @@ class Engine:
         self.zero_stage = config.zero_optimization.stage
         # from here on the optimizer's groups hold this rank's shards, not the model's parameters
         self.zero = ZeroRuntime(
-            self.module, self.optimizer, config.zero_optimization, parallel.dp_group, parallel.expert_dp_group
+            self.module, self.optimizer, config.zero_optimization, parallel.dp_group, parallel.expert_dp_group,
+            config.aio, parallel.rank,
         ) if self.zero_stage else None
         self.partitions = self.zero.partitions if self.zero is not None else []
         if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
-            self.optimizer.prepare()
+            self.optimizer.prepare(self.zero.swapped_stores())
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the

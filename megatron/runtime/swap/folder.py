@@ -26,9 +26,10 @@ def run_name() -> str:
 
 
 class SwapFolder:
-    def __init__(self, nvme_path: str | None, rank: int, needed_bytes: int) -> None:
+    def __init__(self, nvme_path: str | None, rank: int, key: str) -> None:
+        """`key` is the config block that asked for the folder (offload_optimizer, offload_param)."""
         if not nvme_path:
-            raise ConfigError("offload to nvme needs zero_optimization.offload_optimizer.nvme_path; "
+            raise ConfigError(f"offload to nvme needs zero_optimization.{key}.nvme_path; "
                               "set it to a folder on a fast local disk")
         root = Path(nvme_path)
         try:
@@ -36,16 +37,20 @@ class SwapFolder:
         except OSError as error:
             raise ConfigError(f"cannot create the swap folder {root} ({error.strerror}); "
                               "set nvme_path to a writable folder") from None
-        available = shutil.disk_usage(root).free
-        if needed_bytes > available:
-            raise ConfigError(
-                f"the swap folder {root} needs {needed_bytes:,} bytes for this rank's optimizer state but its disk "
-                f"has {available:,} free; free space or point nvme_path at a larger disk"
-            )
+        self.root = root
         self.run_root = root / run_name()
         self.path = self.run_root / f"rank{rank}"
         self.path.mkdir(parents=True)
         atexit.register(self.remove)
+
+    def check_space(self, needed_bytes: int, what: str) -> None:
+        """Stop before writing anything if the disk cannot hold `needed_bytes` more of `what`."""
+        available = shutil.disk_usage(self.root).free
+        if needed_bytes > available:
+            raise ConfigError(
+                f"the swap folder {self.root} needs {needed_bytes:,} bytes for this rank's {what} but its disk "
+                f"has {available:,} free; free space or point nvme_path at a larger disk"
+            )
 
     def file(self, name: str) -> str:
         return os.fspath(self.path / name)

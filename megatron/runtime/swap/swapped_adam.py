@@ -5,6 +5,9 @@ walks the sub-groups in order through a ring of locked, aligned buffers: read th
 Adam kernel on them and the parameter's slice, write them back. With `pipeline_read` the read of
 sub-group i+1 runs during the step of i; with `pipeline_write` the write of i-1 does too. Each
 buffer has its own read and write handle, so waiting for one transfer never waits for another.
+With NVMe parameter offload the fp32 master of a ZeRO-3 shard is swapped too (a ShardStore): its
+sub-groups are cut at the store's resident boundary, and a swapped sub-group's values travel
+with its moments through the same buffer.
 
 The arithmetic is CPUAdam's (bit-identical to torch's fused AdamW on the same tensors): sub-group
 boundaries fall on multiples of 1024 elements, so the kernel's rounding of each tensor's last few
@@ -17,21 +20,13 @@ from typing import Any
 import torch
 
 from megatron.errors import UserError
-from megatron.ops.aio import aio_handle
 from megatron.runtime.config import AioConfig, OffloadOptimizerConfig
 from megatron.runtime.optim.cpu_adam import _TORCH_SCALAR_TAIL, CPUAdam
 from megatron.runtime.swap.folder import SwapFolder
+from megatron.runtime.swap.param_store import ShardStore
+from megatron.runtime.swap.slots import ALIGN, IoSlot, align_up
 
-SUB_GROUP_ALIGN = 1024  # elements: 4 KiB of fp32, O_DIRECT's alignment
-
-
-class SwapError(UserError):
-    """Reading or writing swapped optimizer state failed (a disk error, a full disk)."""
-
-
-def swap_failed(error: OSError) -> SwapError:
-    return SwapError(f"swapping optimizer state failed ({error}); training stopped and the last checkpoint is "
-                     "intact; check the swap disk and its free space")
+WHAT = "optimizer state"
 
 
 @dataclass(frozen=True)
@@ -39,27 +34,8 @@ class SubGroup:
     param_index: int
     lo: int
     hi: int
-    file: str
-
-
-class _Slot:
-    """One locked buffer with its own read and write handles."""
-
-    def __init__(self, aio: AioConfig, numel: int) -> None:
-        settings = aio.model_dump()
-        self.reader, self.writer = aio_handle(**settings), aio_handle(**settings)
-        self.buffer = self.reader.new_cpu_locked_tensor(numel, torch.empty(0, dtype=torch.float32))
-        self.reading = self.writing = False
-
-    def finish_read(self) -> None:
-        if self.reading:
-            self.reading = False
-            self.reader.wait()
-
-    def finish_write(self) -> None:
-        if self.writing:
-            self.writing = False
-            self.writer.wait()
+    file: str  # the two moments
+    store: ShardStore | None  # set when the parameter's values [lo, hi) are in the store's swap file
 
 
 def buffers_needed(offload: OffloadOptimizerConfig) -> int:
@@ -79,56 +55,69 @@ class SwappedAdam(CPUAdam):
                 f"{offload.pipeline_read} and pipeline_write={offload.pipeline_write}; set it to at least {needed}"
             )
         self.offload, self.aio, self.rank = offload, aio, rank
-        self.sub_group_size = max(SUB_GROUP_ALIGN, sub_group_size // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN)
+        self.sub_group_size = max(ALIGN, sub_group_size // ALIGN * ALIGN)
         self.sub_groups: dict[torch.Tensor, list[SubGroup]] = {}
+        self.stores: dict[torch.Tensor, ShardStore] = {}
         self.written: set[str] = set()  # files that hold moments (fast_init: the others read as zeros)
-        self.slots: list[_Slot] = []
+        self.slots: list[IoSlot] = []
+        self.values_at = 0  # where a swapped sub-group's parameter values sit in a buffer
         self.folder: SwapFolder | None = None
 
-    def prepare(self) -> None:
-        """Lay out the swap files for the parameters the groups hold now (ZeRO's shards): check the
-        disk's free space, make the buffers, and unless fast_init write zeros to every file."""
+    def prepare(self, stores: dict[torch.Tensor, ShardStore]) -> None:
+        """Lay out the swap files for the parameters the groups hold now (ZeRO's shards; `stores`
+        are those whose values are partly swapped too): check the disk's free space, make the
+        buffers, and unless fast_init write zeros to every file."""
         params = [p for group in self.param_groups for p in group["params"]]
-        state_bytes = 2 * 4 * sum(p.numel() for p in params)
-        self.folder = SwapFolder(self.offload.nvme_path, self.rank, state_bytes)
+        self.stores = stores
+        self.folder = SwapFolder(self.offload.nvme_path, self.rank, "offload_optimizer")
+        self.folder.check_space(2 * 4 * sum(p.numel() for p in params), WHAT)
         for index, param in enumerate(params):
+            store = stores.get(param)
+            bounds = self._bounds(param.numel(), store.resident if store is not None else param.numel())
             self.sub_groups[param] = [
-                SubGroup(index, lo, min(lo + self.sub_group_size, param.numel()), self.folder.file(f"p{index}_s{lo // self.sub_group_size}.swp"))
-                for lo in range(0, param.numel(), self.sub_group_size)
+                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp"),
+                         store if store is not None and lo >= store.resident else None)
+                for number, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
             ]
         sub_groups = [g for groups in self.sub_groups.values() for g in groups]
-        largest = max((g.hi - g.lo for g in sub_groups), default=1)
+        largest = align_up(max((g.hi - g.lo for g in sub_groups), default=1))
+        self.values_at = 2 * largest
         # a ring longer than the sub-groups would hold locked memory that never gets used
         ring = max(1, min(self.offload.buffer_count, len(sub_groups)))
-        self.slots = [_Slot(self.aio, 2 * largest) for _ in range(ring)]
+        size = 3 * largest if stores else 2 * largest
+        self.slots = [IoSlot(self.aio, size, WHAT) for _ in range(ring)]
         if not self.offload.fast_init:
             zeros = self.slots[0].buffer
             zeros.zero_()
             for sub_group in sub_groups:
-                self._io(self.slots[0].writer.sync_pwrite, zeros[:2 * (sub_group.hi - sub_group.lo)], sub_group.file)
+                self.slots[0].transfer(self.slots[0].writer.sync_pwrite, zeros[:2 * (sub_group.hi - sub_group.lo)], sub_group.file)
                 self.written.add(sub_group.file)
 
-    @staticmethod
-    def _io(transfer: Any, tensor: torch.Tensor, path: str) -> None:
-        try:
-            transfer(tensor, path)
-        except OSError as error:
-            raise swap_failed(error) from None
+    def _bounds(self, numel: int, resident: int) -> list[int]:
+        """Sub-group boundaries: every sub_group_size elements, restarting at the resident boundary
+        (a multiple of 1024 whenever it falls inside the tensor)."""
+        cuts = [*range(0, resident, self.sub_group_size), *range(resident, numel, self.sub_group_size)]
+        return [*cuts, numel]
 
-    def _start_read(self, slot: _Slot, sub_group: SubGroup) -> None:
+    def _start_read(self, slot: IoSlot, sub_group: SubGroup) -> None:
         slot.finish_write()  # the buffer may still be on its way out
         moments = slot.buffer[:2 * (sub_group.hi - sub_group.lo)]
         if sub_group.file in self.written:
-            self._io(slot.reader.async_pread, moments, sub_group.file)
-            slot.reading = True
+            slot.start_read(moments, sub_group.file)
         else:
             moments.zero_()
+        if sub_group.store is not None:
+            slot.start_read(self._values(slot, sub_group), sub_group.store.path, sub_group.store.byte_offset(sub_group.lo))
 
-    def _finish(self, slot: _Slot, read: bool) -> None:
-        try:
-            slot.finish_read() if read else slot.finish_write()
-        except OSError as error:
-            raise swap_failed(error) from None
+    def _values(self, slot: IoSlot, sub_group: SubGroup) -> torch.Tensor:
+        """The buffer's room for a swapped sub-group's parameter values, whole 4 KiB blocks."""
+        return slot.buffer[self.values_at:self.values_at + align_up(sub_group.hi - sub_group.lo)]
+
+    def _values_address(self, param: torch.Tensor, slot: IoSlot, sub_group: SubGroup) -> int:
+        if sub_group.store is not None:
+            return slot.buffer.data_ptr() + 4 * self.values_at
+        values = self.stores[param].memory if param in self.stores else param
+        return values.data_ptr() + sub_group.lo * values.element_size()
 
     @torch.no_grad()
     def _step_group(self, group: dict[str, Any]) -> None:
@@ -145,39 +134,42 @@ class SwappedAdam(CPUAdam):
             slot = self.slots[i % ring]
             if i == 0 or not self.offload.pipeline_read:
                 self._start_read(slot, sub_group)
-            self._finish(slot, read=True)
+            slot.finish_read()
             if self.offload.pipeline_read and i + 1 < len(tasks):
                 self._start_read(self.slots[(i + 1) % ring], tasks[i + 1][2])
             numel = sub_group.hi - sub_group.lo
             element = param.element_size()
             self._extension.adam_step(
-                [param.data_ptr() + sub_group.lo * element], [param.grad.data_ptr() + sub_group.lo * element],
+                [self._values_address(param, slot, sub_group)], [param.grad.data_ptr() + sub_group.lo * element],
                 [slot.buffer.data_ptr()], [slot.buffer.data_ptr() + numel * element], [numel],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), step=step, bias_correction=bool(group["bias_correction"]),
                 adamw_mode=bool(group["adamw_mode"]), num_threads=torch.get_num_threads(), tail_width=_TORCH_SCALAR_TAIL,
             )
-            self._io(slot.writer.async_pwrite, slot.buffer[:2 * numel], sub_group.file)
-            slot.writing = True
+            slot.start_write(slot.buffer[:2 * numel], sub_group.file)
+            if sub_group.store is not None:
+                slot.start_write(self._values(slot, sub_group), sub_group.store.path, sub_group.store.byte_offset(sub_group.lo))
             self.written.add(sub_group.file)
             if not self.offload.pipeline_write:
-                self._finish(slot, read=False)
+                slot.finish_write()
         for slot in self.slots:
-            self._finish(slot, read=False)
+            slot.finish_write()
 
     def full_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """The parameter's state with its moments read back from the swap files (checkpoints)."""
         state = dict(self.state.get(param, {}))
         if "step" not in state:
             return state
-        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        exp_avg, exp_avg_sq = torch.zeros(param.shape), torch.zeros(param.shape)
         slot = self.slots[0]
         for sub_group in self.sub_groups[param]:
             numel = sub_group.hi - sub_group.lo
-            self._start_read(slot, sub_group)
-            self._finish(slot, read=True)
-            exp_avg[sub_group.lo:sub_group.hi] = slot.buffer[:numel]
-            exp_avg_sq[sub_group.lo:sub_group.hi] = slot.buffer[numel:2 * numel]
+            slot.finish_write()
+            if sub_group.file in self.written:
+                slot.start_read(slot.buffer[:2 * numel], sub_group.file)
+                slot.finish_read()
+                exp_avg[sub_group.lo:sub_group.hi] = slot.buffer[:numel]
+                exp_avg_sq[sub_group.lo:sub_group.hi] = slot.buffer[numel:2 * numel]
         return {**state, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -194,5 +186,5 @@ class SwappedAdam(CPUAdam):
                 slot.finish_write()
                 slot.buffer[:numel] = exp_avg[sub_group.lo:sub_group.hi]
                 slot.buffer[numel:2 * numel] = exp_avg_sq[sub_group.lo:sub_group.hi]
-                self._io(slot.writer.sync_pwrite, slot.buffer[:2 * numel], sub_group.file)
+                slot.transfer(slot.writer.sync_pwrite, slot.buffer[:2 * numel], sub_group.file)
                 self.written.add(sub_group.file)

@@ -10,6 +10,9 @@ backward has finished their gradients (the reducer says so). The order of gather
 forward and backward is recorded; afterwards each gather starts the next ones in that order in
 the background (`stage3_prefetch_bucket_size` elements in flight, `stage3_max_live_parameters`
 gathered at most). Buckets of at most `stage3_param_persistence_threshold` elements stay gathered.
+With NVMe parameter offload a swapped chunk is read through one of `offload_param.buffer_count`
+buffers before it is gathered: a prefetch waits for a free buffer, and a gather that needs one now
+finishes the oldest gather in flight to get it.
 """
 
 from collections.abc import Iterator
@@ -89,6 +92,7 @@ class ParameterGatherer:
                 self.units.append(unit)
                 self.unit_of.update({part.params[i]: unit for i in bucket.params})
         self.live_numel = self.inflight_numel = self.peak_live_numel = 0
+        self.gathering: list[_Unit] = []  # started and not finished, oldest first
         self.in_backward = False
         self.frames: list[_Frame] = []
         self.recording = True
@@ -128,7 +132,10 @@ class ParameterGatherer:
             self._finish(unit)
 
     def _start(self, unit: _Unit, async_op: bool) -> None:
+        while not unit.part.ready_to_gather(unit.bucket):
+            self._finish(self.gathering[0])
         unit.pending = unit.part.gather_bucket(unit.bucket, async_op)
+        self.gathering.append(unit)
         unit.state = GATHERING
         self.live_numel += unit.numel
         self.inflight_numel += unit.numel
@@ -139,6 +146,7 @@ class ParameterGatherer:
         if work is not None:
             work.wait()
         attach()
+        self.gathering.remove(unit)
         unit.pending, unit.state = None, LIVE
         self.inflight_numel -= unit.numel
 
@@ -165,7 +173,7 @@ class ParameterGatherer:
                 break
             if upcoming.state != FREE:
                 continue
-            if self.live_numel + upcoming.numel > self.max_live_numel:
+            if self.live_numel + upcoming.numel > self.max_live_numel or not upcoming.part.ready_to_gather(upcoming.bucket):
                 break
             self._start(upcoming, async_op=True)
 

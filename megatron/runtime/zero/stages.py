@@ -7,7 +7,9 @@ accumulation. Stage 2 partitions the gradients too: every backward reduce-scatte
 soon as it is complete and frees it. Stage 3 partitions the parameters as well, gathering them per
 module (megatron/runtime/zero/gatherer.py).
 Dense parameters are partitioned over the data-parallel group, experts over their
-expert-data-parallel group; a group of one rank needs no gathering, so its parameters stay whole.
+expert-data-parallel group; a group of one rank needs no gathering, so its parameters stay whole,
+unless NVMe parameter offload moves their master into swap files (then stage 3 frees them between
+uses on one rank too).
 """
 
 from collections.abc import Iterator
@@ -17,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.runtime.config import ZeroConfig
+from megatron.runtime.config import AioConfig, ZeroConfig
 from megatron.runtime.state_io import expert_ids
+from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.gatherer import ParameterGatherer
 from megatron.runtime.zero.layout import PartitionLayout, buckets_by_size
 from megatron.runtime.zero.param_partition import ParamPartition
@@ -40,11 +43,14 @@ class ZeroRuntime:
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
         dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
+        aio: AioConfig, rank: int,
     ) -> None:
         """Partition each optimizer group's dense and expert parameters, and point the optimizer
         at the shards instead. The optimizer object and its groups stay the same (an LR schedule
         already holds them); each group now holds one shard per class."""
         self.stage = config.stage
+        offload_param = config.offload_param
+        self.swapper = ParamSwapper(offload_param, aio, rank) if self.stage == 3 and offload_param.device == "nvme" else None
         names = {p: n for n, p in module.named_parameters()}
         owner: dict[nn.Parameter, nn.Module] = {}  # a tied parameter belongs to its first module
         for child in module.modules():
@@ -59,8 +65,9 @@ class ZeroRuntime:
                 if not params:
                     continue
                 param_names = [names[p] for p in params]
-                if self.stage == 3 and comm is not None and dist.get_world_size(comm) > 1:
-                    part: PartitionLayout = ParamPartition(params, param_names, comm, buckets_by_module(params, owner))
+                grouped = comm is not None and dist.get_world_size(comm) > 1
+                if self.stage == 3 and (grouped or self.swapper is not None):
+                    part: PartitionLayout = ParamPartition(params, param_names, comm, buckets_by_module(params, owner), self.swapper)
                 else:
                     part = FlatPartition(params, param_names, comm, buckets_by_size([p.numel() for p in params], config.bucket_numel),
                                          reduce_scatter=config.reduce_scatter, partition_gradients=self.stage >= 2)
@@ -78,6 +85,12 @@ class ZeroRuntime:
             partitioned, position, **overlap, on_ready=self.gatherer.bucket_done) if partitioned else None
         if self.param_reducer is not None:
             self.param_reducer.armed = True
+        if self.swapper is not None and rank == 0:
+            print(self.swapper.summary(), flush=True)
+
+    def swapped_stores(self) -> dict[torch.Tensor, ShardStore]:
+        """The master shards whose values are partly in swap files, by the optimizer's tensor."""
+        return {p.shard: p.store for p in self.partitions if isinstance(p, ParamPartition) and p.store.swapped}
 
     def before_backward(self, boundary: bool) -> None:
         """Stage 1 reduces during the backward that ends an accumulation; stages 2 and 3 during every one."""
