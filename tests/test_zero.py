@@ -3,6 +3,8 @@
 another stage and data-parallel size."""
 
 import json
+import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -100,18 +102,29 @@ def held_parameter_numel(engine: Engine) -> int:
 LAYER_NUMEL = 16 * 16 + 16  # one layer's weight and bias, each padded to an even length already
 
 
-def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> int:
+def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
     """Most parameter elements gathered at once while training a stack of 8 equal layers under
-    stage 3 (nothing persistent) with the given prefetch."""
+    stage 3 (nothing persistent) with the given prefetch; and how many gathered buffers are still
+    in memory when the last forward returns (autograd must not hold freed ones)."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": prefetch}
     engine = initialize(model, {"train_batch_size": 4, "zero_optimization": zero}, grid)
+    part = engine.partitions[0]
+    attach, gathered = part._attach, []
+
+    def recording_attach(bucket: Any, full: torch.Tensor) -> None:
+        attach(bucket, full)
+        gathered.append(weakref.ref(part.params[bucket.params[0]].untyped_storage()))
+    part._attach = recording_attach
     for step in range(3):
         x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(x).square().mean())
+        gathered.clear()
+        loss = engine(x).square().mean()
+        alive = sum(ref() is not None for ref in gathered)
+        engine.backward(loss)
         engine.step()
-    return engine.zero.gatherer.peak_live_numel
+    return engine.zero.gatherer.peak_live_numel, alive
 
 
 def _two_ranks(save: str) -> dict[str, torch.Tensor]:
@@ -129,7 +142,7 @@ def _two_ranks(save: str) -> dict[str, torch.Tensor]:
             out.update(parameters(engine, label))
     # saved with EP=1 under stage 1 (stage 3): load with EP=2 under stage 3 (stage 2)
     for prefetch in (0, 2 * LAYER_NUMEL):
-        out[f"peak/prefetch{prefetch}"] = torch.tensor(deep_stack_peak(grids[1], prefetch))
+        out[f"peak/prefetch{prefetch}"], out[f"alive/prefetch{prefetch}"] = map(torch.tensor, deep_stack_peak(grids[1], prefetch))
     for saved, loaded in ((1, 3), (3, 2)):
         resumed = make_engine(grids[2], True, loaded)
         resumed.load_checkpoint(save + f"/stage{saved}", "ckpt")
@@ -198,6 +211,10 @@ def test_stage_3_holds_half_the_parameters_and_stages_2_3_no_whole_gradients(two
         # one layer at a time without prefetch; with a prefetch of two layers, three at most
         assert int(result["peak/prefetch0"]) == LAYER_NUMEL
         assert 2 * LAYER_NUMEL <= int(result[f"peak/prefetch{2 * LAYER_NUMEL}"]) <= 3 * LAYER_NUMEL
+        # after forward, memory holds what the gatherer counts as live and nothing else: the
+        # prefetched first layers of backward at most, not every layer's buffer kept by autograd
+        assert int(result["alive/prefetch0"]) == 0
+        assert int(result[f"alive/prefetch{2 * LAYER_NUMEL}"]) <= 3
 
 
 @pytest.mark.parametrize("saved", [1, 3])

@@ -178,7 +178,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.monitor.start("forward")
-        with self.autocast():
+        with self.autocast(), self.zero.forward_context() if self.zero is not None else nullcontext():
             output = self.module(*args, **kwargs)
         self.monitor.stop("forward")
         return output

@@ -10,6 +10,10 @@ backward has finished their gradients (the reducer says so). The order of gather
 forward and backward is recorded; afterwards each gather starts the next ones in that order in
 the background (`stage3_prefetch_bucket_size` elements in flight, `stage3_max_live_parameters`
 gathered at most). Buckets of at most `stage3_param_persistence_threshold` elements stay gathered.
+Autograd would keep a freed bucket's memory alive through what ops save for backward (F.linear
+saves `weight.t()`, a view of the gathered buffer): during forward, `saving_views()` makes autograd
+save such a view as (bucket, shape, strides, offset) instead, and gathers the bucket again to
+rebuild it when backward needs it, as DeepSpeed's stage-3 linear saves the parameter, not its data.
 With NVMe parameter offload a swapped chunk is read through one of `offload_param.buffer_count`
 buffers before it is gathered: a prefetch waits for a free buffer, and a gather that needs one now
 finishes the oldest gather in flight to get it.
@@ -29,6 +33,15 @@ from megatron.runtime.zero.layout import Bucket, PartitionLayout
 from megatron.runtime.zero.param_partition import ParamPartition
 
 FREE, GATHERING, LIVE = range(3)
+
+
+@dataclass(frozen=True, eq=False)
+class _SavedView:
+    """A tensor autograd saved that views a gathered bucket, kept without its memory."""
+    unit: "_Unit"
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass(eq=False)
@@ -93,6 +106,7 @@ class ParameterGatherer:
                 self.unit_of.update({part.params[i]: unit for i in bucket.params})
         self.live_numel = self.inflight_numel = self.peak_live_numel = 0
         self.gathering: list[_Unit] = []  # started and not finished, oldest first
+        self.unit_of_storage: dict[int, _Unit] = {}  # live buckets by their buffer's address
         self.in_backward = False
         self.frames: list[_Frame] = []
         self.recording = True
@@ -148,15 +162,41 @@ class ParameterGatherer:
         attach()
         self.gathering.remove(unit)
         unit.pending, unit.state = None, LIVE
+        self.unit_of_storage[self._storage(unit)] = unit
         self.inflight_numel -= unit.numel
 
     def _release(self, unit: _Unit) -> None:
         if unit.state == GATHERING:  # a collective must complete before its buffer goes
             self._finish(unit)
         if unit.state == LIVE:
+            del self.unit_of_storage[self._storage(unit)]
             unit.part.release_bucket(unit.bucket)
             self.live_numel -= unit.numel
         unit.state, unit.owner = FREE, None
+
+    @staticmethod
+    def _storage(unit: _Unit) -> int:
+        """The address of the buffer a live bucket's parameters view."""
+        return unit.part.params[unit.bucket.params[0]].untyped_storage().data_ptr()
+
+    def saving_views(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The forward context in which saved views of gathered buckets do not hold their memory."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedView:
+        if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided:
+            return tensor  # a parameter itself gets its data back before its module's backward
+        unit = self.unit_of_storage.get(tensor.untyped_storage().data_ptr())
+        if unit is None or unit.persistent:
+            return tensor
+        return _SavedView(unit, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def _unpack(self, saved: torch.Tensor | _SavedView) -> torch.Tensor:
+        if not isinstance(saved, _SavedView):
+            return saved
+        self._gather_now(saved.unit)  # usually live already: its module's backward gathered it
+        values = saved.unit.part.params[saved.unit.bucket.params[0]].detach()
+        return values.as_strided(saved.size, saved.stride, saved.offset)
 
     def _follow_trace(self, unit: _Unit) -> None:
         """Record the order of use in the first step; later, start gathering what comes next."""

@@ -13,7 +13,8 @@ uses on one rank too).
 """
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,10 @@ class ZeroRuntime:
     def zero_gradients(self) -> None:
         for part in self.partitions:
             part.zero_gradients()
+
+    def forward_context(self) -> Any:
+        """Where the model's forward runs: stage 3 keeps autograd from holding freed parameters."""
+        return self.gatherer.saving_views() if self.gatherer is not None else nullcontext()
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
