@@ -194,9 +194,17 @@ def run_variant(variant: Variant, layers: int, hidden: int, folder: Path, steps:
     return record
 
 
+def warm_up_vml() -> None:
+    """The first multithreaded torch.tanh of a process can compute one thread's chunk with a
+    low-accuracy MKL VML kernel (a first-call dispatch race, pytorch/pytorch#188792): one call
+    before the model's first forward keeps every variant's losses comparable."""
+    torch.tanh(torch.zeros(4096))
+
+
 def variant_child(spec: dict[str, Any]) -> None:
     """One variant in a fresh process: its memory is its own (an engine is not freed when dropped:
     the gradient hooks of ZeRO's reducer keep the flat buffers alive), and so is its peak RSS."""
+    warm_up_vml()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
     base_rss = proc_status_bytes("VmRSS")
@@ -303,6 +311,7 @@ def print_table(summary: dict[str, Any], numel: int) -> None:
 
 def largest_child(spec: dict[str, Any]) -> None:
     """In a fresh process: two training steps of a big model with pipelined NVMe swapping; prints JSON."""
+    warm_up_vml()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
     base_rss = proc_status_bytes("VmRSS")
