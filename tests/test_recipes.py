@@ -95,3 +95,20 @@ def test_every_recipe_sources_the_one_settings_file():
         text = script.read_text()
         assert 'source "$(dirname "$0")/recipe_settings.sh"' in text and "run_recipe " in text
         assert len(text.splitlines()) < 15, f"{script.name} should hold its model only; shared settings go in recipe_settings.sh"
+
+
+def test_offload_setting_writes_the_offload_blocks_the_runtime_accepts(tmp_path):
+    _, config, ds = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path, OFFLOAD="nvme", ZERO_STAGE="3")
+    zero = config.runtime_config(1).zero_optimization
+    assert ds["zero_optimization"]["stage"] == config.training.zero_stage == zero.stage == 3
+    assert zero.offload_optimizer.device == zero.offload_param.device == "nvme" and zero.offload_param.max_in_cpu == 0
+    assert zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path == str(tmp_path / "out" / "swap")
+    _, config, _ = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path, OFFLOAD="cpu", ZERO_STAGE="2")
+    zero = config.runtime_config(1).zero_optimization
+    assert (zero.stage, zero.offload_optimizer.device, zero.offload_param.device) == (2, "cpu", "none")
+    _, config, _ = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path)  # tiny recipes: no ZeRO unless asked
+    assert config.training.zero_stage == 0 and config.runtime_config(1).zero_optimization.offload_optimizer.device == "none"
+    done = subprocess.run(["bash", str(RECIPES / "ds_pretrain_gpt_tiny_MoE_cpu.sh")], capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", "PYTHON": "echo", "OUTPUT_DIR": str(tmp_path / "out"),
+                               "DEMO_DIR": str(tmp_path / "demo"), "OFFLOAD": "disk"}, timeout=60)
+    assert done.returncode != 0 and "OFFLOAD=disk; use none, cpu or nvme" in done.stderr

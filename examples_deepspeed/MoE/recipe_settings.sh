@@ -5,7 +5,9 @@
 #
 # Environment: NNODES, NODE_RANK, GPUS_PER_NODE (default: the GPUs nvidia-smi lists, else 1),
 # MASTER_ADDR (localhost), MASTER_PORT (6000), DATA_PATH, VOCAB_FILE, MERGE_FILE, OUTPUT_DIR,
-# MICRO_BATCH_SIZE, ZERO_STAGE, PYTHON; for MoS also TEACHER_DIR, MOS_KD=0 (the student alone) and
+# MICRO_BATCH_SIZE, ZERO_STAGE, OFFLOAD (none; cpu: Adam state in host memory; nvme: in swap files
+# under NVME_PATH, default OUTPUT_DIR/swap, and with ZERO_STAGE=3 the parameters' master too; CPU
+# training only), PYTHON; for MoS also TEACHER_DIR, MOS_KD=0 (the student alone) and
 # KD_STOP_TOKENS (default: KD for the first 60% of training; "never" keeps it on). Tiny recipes:
 # DEMO_DIR, TINY_TRAIN_TOKENS, TINY_EVAL_INTERVAL, TINY_PROCESSES. DRY_RUN=1 writes the ds_config and runs
 # `pretrain_gpt.py --dry-run` (flags checked, model sized on the meta device) instead of training.
@@ -43,7 +45,14 @@ MOE_LOSS_COEFF=0.01
 CAPACITY_FACTOR=1.0
 MIN_CAPACITY=4
 PRECISION=fp16
+ZERO_STAGE_GIVEN=${ZERO_STAGE:-}
 ZERO_STAGE=${ZERO_STAGE:-1}
+OFFLOAD=${OFFLOAD:-none}
+case $OFFLOAD in
+    none | cpu | nvme) ;;
+    *) echo "error: OFFLOAD=$OFFLOAD; use none, cpu or nvme" >&2; exit 1 ;;
+esac
+NVME_PATH=${NVME_PATH:-$OUTPUT_DIR/swap}
 CHECKPOINT_ACTIVATIONS=true
 SPLIT=98,2,0
 LOG_INTERVAL=10
@@ -82,7 +91,7 @@ tiny_cpu_settings() {
     MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=8
     TRAIN_TOKENS=${TINY_TRAIN_TOKENS:-81920}  # 80 iterations of 8 x 128 tokens
     LR_DECAY_TOKENS=$TRAIN_TOKENS LR_WARMUP_TOKENS=8192
-    INIT_STD=0.02 PRECISION=fp32 ZERO_STAGE=0 CHECKPOINT_ACTIVATIONS=false
+    INIT_STD=0.02 PRECISION=fp32 ZERO_STAGE=${ZERO_STAGE_GIVEN:-0} CHECKPOINT_ACTIVATIONS=false
     SPLIT=949,50,1 LOG_INTERVAL=10 EVAL_INTERVAL=${TINY_EVAL_INTERVAL:-10} EVAL_ITERS=4 SAVE_INTERVAL=1000000
     GPUS_PER_NODE=${TINY_PROCESSES:-1}
     EXTRA_ARGS=(--hidden-dropout 0.0 --attention-dropout 0.0 --num-workers 1 --eval-at-start)
@@ -121,6 +130,20 @@ pick_ep_size() {
     echo "$ep"
 }
 
+# The zero_optimization block: the stage, and where OFFLOAD puts the optimizer state (and, under
+# stage 3 with nvme, the parameters' master), in sub-groups of 1e7 elements moved through 3 buffers.
+zero_config() {
+    local nvme="\"device\": \"nvme\", \"nvme_path\": \"$NVME_PATH\""
+    case $OFFLOAD in
+        none) echo "{\"stage\": $ZERO_STAGE}" ;;
+        cpu) echo "{\"stage\": $ZERO_STAGE, \"offload_optimizer\": {\"device\": \"cpu\"}}" ;;
+        nvme)
+            local params=""
+            [[ $ZERO_STAGE == 3 ]] && params=", \"offload_param\": {$nvme, \"max_in_cpu\": 0}"
+            echo "{\"stage\": $ZERO_STAGE, \"sub_group_size\": 10000000, \"offload_optimizer\": {$nvme, \"pipeline_read\": true, \"pipeline_write\": true, \"buffer_count\": 3}$params}" ;;
+    esac
+}
+
 # The DeepSpeed JSON of this run: every value filled in, agreeing with the flags passed beside it.
 write_ds_config() {
     local fp16=false bf16=false
@@ -131,7 +154,7 @@ write_ds_config() {
   "train_batch_size": $GLOBAL_BATCH_SIZE,
   "train_micro_batch_size_per_gpu": $MICRO_BATCH_SIZE,
   "gradient_clipping": 1.0,
-  "zero_optimization": {"stage": $ZERO_STAGE},
+  "zero_optimization": $(zero_config),
   "fp16": {"enabled": $fp16, "loss_scale": 0, "initial_scale_power": 11, "loss_scale_window": 500,
            "hysteresis": 2, "min_loss_scale": 1},
   "bf16": {"enabled": $bf16},
