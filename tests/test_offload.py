@@ -3,6 +3,7 @@ not) gives bit for bit the parameters of the in-memory optimizer under ZeRO stag
 so does stage-3 parameter offload (the master shards in swap files, read ahead through a few
 buffers); both resume from a checkpoint taken while swapping; and fail with clear errors."""
 
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -167,6 +168,13 @@ def test_swap_folder_is_per_run_and_removed(tmp_path):
     assert not first.optimizer.folder.run_root.exists() and second.optimizer.folder.path.exists()
     fast = single_engine(tmp_path, fast_init=True)
     assert not any(fast.optimizer.folder.path.glob("*.swp"))
+    # an engine's swap files go when the engine does, the parameters' too
+    swapping = swapping_engine(tmp_path)
+    folders = [fast.optimizer.folder.path, swapping.optimizer.folder.path, swapping.zero.swapper.folder.path]
+    assert all(f.exists() for f in folders) and any(folders[2].glob("params*.swp"))
+    del fast, swapping
+    gc.collect()
+    assert not any(f.exists() for f in folders)
 
 
 def test_offload_errors_are_clear(tmp_path, monkeypatch):

@@ -2,14 +2,14 @@
 
 The run's name is agreed by all ranks (rank 0's choice, broadcast), so two runs pointing at the
 same nvme_path never share files. The folder is created if missing, checked for free space before
-anything is written, and removed when the run ends.
+anything is written, and removed when the engine using it is dropped or the run ends.
 """
 
-import atexit
 import os
 import shutil
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,6 +23,15 @@ def run_name() -> str:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(name, src=0)
     return name[0]
+
+
+def remove_folder(path: Path, run_root: Path) -> None:
+    """Delete a rank's files, and the run's folder once no rank's folder is left in it."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        run_root.rmdir()
+    except OSError:
+        pass  # another rank's folder is still there, or it is gone already
 
 
 class SwapFolder:
@@ -41,7 +50,8 @@ class SwapFolder:
         self.run_root = root / run_name()
         self.path = self.run_root / f"rank{rank}"
         self.path.mkdir(parents=True)
-        atexit.register(self.remove)
+        # the files go when the engine that swaps through this folder is dropped, or at exit
+        self.remove = weakref.finalize(self, remove_folder, self.path, self.run_root)
 
     def check_space(self, needed_bytes: int, what: str) -> None:
         """Stop before writing anything if the disk cannot hold `needed_bytes` more of `what`."""
@@ -54,11 +64,3 @@ class SwapFolder:
 
     def file(self, name: str) -> str:
         return os.fspath(self.path / name)
-
-    def remove(self) -> None:
-        """Delete this rank's files, and the run's folder once no rank's folder is left in it."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            self.run_root.rmdir()
-        except OSError:
-            pass  # another rank's folder is still there, or it is gone already
