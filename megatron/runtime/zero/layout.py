@@ -102,11 +102,15 @@ class PartitionLayout:
 
     def bucket_values(self, bucket: Bucket, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """The bucket's padded flat vector from one tensor per parameter (None reads as zeros)."""
-        flat = torch.zeros(bucket.chunk * self.size, dtype=self.dtype, device=self.device)
+        flat = torch.empty(bucket.chunk * self.size, dtype=self.dtype, device=self.device)
+        flat[bucket.numel:] = 0  # the padding
         for index in bucket.params:
-            if tensors[index] is not None:
-                start = self.param_offsets[index] - bucket.flat_start
-                flat[start:start + self.numels[index]] = tensors[index].reshape(-1)
+            start = self.param_offsets[index] - bucket.flat_start
+            piece = flat[start:start + self.numels[index]]
+            if tensors[index] is None:
+                piece.zero_()
+            else:
+                piece.copy_(tensors[index].reshape(-1))
         return flat
 
     @torch.no_grad()
@@ -115,13 +119,18 @@ class PartitionLayout:
     ) -> tuple[dist.Work | None, Callable[[], None] | None]:
         """Move the bucket's gradients into one padded vector (freeing them), reduce-scatter it
         and add this rank's chunk to `shard_grad` (partitioned gradients: stages 2 and 3). A
-        parameter without a gradient adds zeros."""
+        parameter without a gradient adds zeros. On one rank each gradient is added in place."""
+        slot = self.shard_grad[self.chunk_span(bucket)]
+        if self.size == 1:
+            for index in bucket.params:
+                grad, self.params[index].grad = self.params[index].grad, None
+                if grad is not None:
+                    start = self.param_offsets[index] - bucket.flat_start
+                    slot[start:start + self.numels[index]] += grad.reshape(-1)
+            return None, None
         full = self.bucket_values(bucket, [p.grad for p in self.params])
         for index in bucket.params:
             self.params[index].grad = None
-        slot = self.shard_grad[self.chunk_span(bucket)]
-        if self.size == 1:
-            return None, lambda: slot.add_(full)
         received = torch.empty(bucket.chunk, dtype=self.dtype, device=self.device)
         work = dist.reduce_scatter_single(received, full, group=self.group, async_op=async_op)
         return work, lambda: slot.add_(received)
