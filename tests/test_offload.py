@@ -153,6 +153,25 @@ def test_checkpoint_taken_while_swapping_resumes(two_ranks):
                 torch.testing.assert_close(result[key], uninterrupted, rtol=1e-6, atol=1e-7, msg=key)
 
 
+def _four_ranks(swap_dir: str) -> dict[str, torch.Tensor]:
+    grid = build_parallel_grid(torch.device("cpu"), ep_size=2)  # experts: EP 2 x expert-DP 2
+    out: dict[str, torch.Tensor] = {}
+    for params in (None, "params-nvme", "params-nvme-1024"):
+        engine = make_engine(grid, True, 3, "memory" if params is None else "nvme-pipelined", swap_dir, params=params)
+        train(engine, 0, SAVE_AT)
+        out.update(parameters(engine, params or "memory"))
+    return out
+
+
+def test_swapped_parameters_on_four_ranks_equal_in_memory_bit_for_bit(tmp_path):
+    for result in run_distributed(_four_ranks, 4, str(tmp_path)):
+        names = [k.split("/", 1)[1] for k in result if k.startswith("memory/")]
+        assert len(names) > 5
+        for params in ("params-nvme", "params-nvme-1024"):
+            for name in names:
+                assert torch.equal(result[f"{params}/{name}"], result[f"memory/{name}"]), f"{params} {name}"
+
+
 def single_engine(tmp_path: Path, **offload: object) -> Engine:
     config = {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {
         "device": "nvme", "nvme_path": str(tmp_path), **offload}}}
