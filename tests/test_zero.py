@@ -14,6 +14,7 @@ from megatron.model.moe import MoEConfig, MoELayer
 from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
 from megatron.runtime import initialize
 from megatron.runtime.engine import Engine
+from megatron.runtime.zero.buffer_pool import BufferPool
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
@@ -105,7 +106,8 @@ LAYER_NUMEL = 16 * 16 + 16  # one layer's weight and bias, each padded to an eve
 def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
     """Most parameter elements gathered at once while training a stack of 8 equal layers under
     stage 3 (nothing persistent) with the given prefetch; and how many gathered buffers are still
-    in memory when the last forward returns (autograd must not hold freed ones)."""
+    in use when the last forward returns (autograd must not hold freed ones; the buffer pool keeps
+    freed ones for reuse)."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": prefetch}
@@ -121,7 +123,8 @@ def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
         x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
         gathered.clear()
         loss = engine(x).square().mean()
-        alive = sum(ref() is not None for ref in gathered)
+        in_use = {ref().data_ptr() for ref in gathered if ref() is not None and not part.pool.holds(ref())}
+        alive = len(in_use)  # a pooled buffer may have served several gathers
         engine.backward(loss)
         engine.step()
     return engine.zero.gatherer.peak_live_numel, alive
@@ -308,3 +311,17 @@ def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state_and_chec
             torch.testing.assert_close(result[key], uninterrupted[f"single/{name}"], rtol=1e-4, atol=1e-5, msg=key)
             torch.testing.assert_close(from_four[f"single/{name}"], result[f"moe1-stage3/{name}"], rtol=1e-4, atol=1e-5,
                                        msg=name)
+
+
+def test_buffer_pool_reuses_only_buffers_nothing_else_views():
+    pool, cpu = BufferPool(per_size=1), torch.device("cpu")
+    first = pool.take(8, torch.float32, cpu)
+    address = first.data_ptr()
+    view = first[2:4]
+    pool.give(first)  # still viewed: not kept
+    assert pool.take(8, torch.float32, cpu).data_ptr() != address
+    del view
+    pool.give(first)
+    pool.give(torch.empty(8))  # one of a size waits at most
+    assert pool.take(8, torch.float32, cpu).data_ptr() == address
+    assert pool.free == {(8, torch.float32): []}  # the second buffer given was not kept

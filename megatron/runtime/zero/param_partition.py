@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.swap.slots import IoSlot
+from megatron.runtime.zero.buffer_pool import BufferPool
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 from megatron.runtime.zero.partition import Reduction
 
@@ -43,6 +44,8 @@ class ParamPartition(PartitionLayout):
         self.shard_grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         self.shard.grad = self.shard_grad
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.pool = BufferPool()
+        self.gathered: dict[Bucket, torch.Tensor] = {}  # the buffer each live bucket's parameters view
         self.copy_from_parameters()
 
     @torch.no_grad()
@@ -75,13 +78,17 @@ class ParamPartition(PartitionLayout):
         return _ReadWork(slot), gather_and_attach
 
     def _all_gather(self, chunk: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
+        full = self.pool.take(chunk.numel() * self.size, torch.float32, self.device)
         if self.size == 1:
-            return chunk.clone(), None
-        full = torch.empty(chunk.numel() * self.size, dtype=torch.float32, device=self.device)
+            return full.copy_(chunk), None
         return full, dist.all_gather_single(full, chunk, group=self.group, async_op=async_op)
 
     def _attach(self, bucket: Bucket, full: torch.Tensor) -> None:
-        values = full if self.dtype == torch.float32 else full.to(self.dtype)
+        values = full
+        if self.dtype != torch.float32:  # round the fp32 master once, into a buffer of the model's dtype
+            values = self.pool.take(full.numel(), self.dtype, self.device).copy_(full)
+            self.pool.give(full)
+        self.gathered[bucket] = values
         for index in bucket.params:
             start = self.param_offsets[index] - bucket.flat_start
             self.params[index].data = values[start:start + self.numels[index]].view(self.shapes[index])
@@ -89,6 +96,7 @@ class ParamPartition(PartitionLayout):
     def release_bucket(self, bucket: Bucket) -> None:
         for index in bucket.params:
             self.params[index].data = self._empty
+        self.pool.give(self.gathered.pop(bucket))
 
     reduce_bucket = PartitionLayout.reduce_and_free_gradients
 
