@@ -177,7 +177,7 @@ class ParameterGatherer:
     @staticmethod
     def _storage(unit: _Unit) -> int:
         """The address of the buffer a live bucket's parameters view."""
-        return unit.part.params[unit.bucket.params[0]].untyped_storage().data_ptr()
+        return unit.part.gathered[unit.bucket].data_ptr()
 
     def saving_views(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The forward context in which saved views of gathered buckets do not hold their memory."""
@@ -195,8 +195,7 @@ class ParameterGatherer:
         if not isinstance(saved, _SavedView):
             return saved
         self._gather_now(saved.unit)  # usually live already: its module's backward gathered it
-        values = saved.unit.part.params[saved.unit.bucket.params[0]].detach()
-        return values.as_strided(saved.size, saved.stride, saved.offset)
+        return saved.unit.part.gathered[saved.unit.bucket].as_strided(saved.size, saved.stride, saved.offset)
 
     def _follow_trace(self, unit: _Unit) -> None:
         """Record the order of use in the first step; later, start gathering what comes next."""
