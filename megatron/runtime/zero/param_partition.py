@@ -39,7 +39,6 @@ class ParamPartition(PartitionLayout):
         super().__init__(params, names, group, bucket_params)
         spans = [self.chunk_span(bucket) for bucket in self.buckets]
         self.store = ShardStore(self.shard_numel, self.device, swapper, [(s.start, s.stop) for s in spans])
-        self.swapper = swapper
         self.shard = self.store.parameter()
         self.shard_grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         self.shard.grad = self.shard_grad
@@ -58,7 +57,7 @@ class ParamPartition(PartitionLayout):
     def ready_to_gather(self, bucket: Bucket) -> bool:
         """Whether a gather can start now: its chunk is in memory, or a swap buffer is free."""
         span = self.chunk_span(bucket)
-        return self.store.in_memory(span.start, span.stop) or self.swapper.has_free_slot()
+        return self.store.in_memory(span.start, span.stop) or self.store.swapper.has_free_slot()
 
     @torch.no_grad()
     def gather_bucket(self, bucket: Bucket, async_op: bool) -> Reduction:
@@ -68,12 +67,12 @@ class ParamPartition(PartitionLayout):
         if self.store.in_memory(span.start, span.stop):
             full, work = self._all_gather(self.store.memory[span], async_op)
             return work, lambda: self._attach(bucket, full)
-        slot = self.swapper.claim()
+        slot = self.store.swapper.claim()
         chunk = self.store.start_read(span.start, span.stop, slot)
 
         def gather_and_attach() -> None:
             full, _ = self._all_gather(chunk, async_op=False)
-            self.swapper.release(slot)
+            self.store.swapper.release(slot)
             self._attach(bucket, full)
         return _ReadWork(slot), gather_and_attach
 
