@@ -129,14 +129,21 @@ class ShardStore:
         """Where swapped element `lo` (>= resident) starts in the file."""
         return 4 * (ALIGN + lo - self.resident)
 
+    def _file_part(self, lo: int, hi: int, slot: IoSlot) -> tuple[torch.Tensor, int]:
+        """The buffer's room for the file's whole blocks under [lo, hi) (the buffer laid out from
+        align_down(lo)), and their byte offset in the file."""
+        base = align_down(lo)
+        file_lo = max(base, self.resident)
+        return slot.buffer[file_lo - base:align_up(hi) - base], self.byte_offset(file_lo)
+
     def start_read(self, lo: int, hi: int, slot: IoSlot) -> torch.Tensor:
         """Start bringing [lo, hi) into `slot`; returns the view that holds them once the slot's
         read has finished."""
         base = align_down(lo)
         if lo < self.resident:
             slot.buffer[lo - base:self.resident - base] = self.memory[lo:]
-        file_lo, file_hi = max(base, self.resident), align_up(hi)
-        slot.start_read(slot.buffer[file_lo - base:file_hi - base], self.path, self.byte_offset(file_lo))
+        blocks, byte_offset = self._file_part(lo, hi, slot)
+        slot.start_read(blocks, self.path, byte_offset)
         return slot.buffer[lo - base:hi - base]
 
     @torch.no_grad()
@@ -154,8 +161,8 @@ class ShardStore:
             window = self.start_read(lo, hi, slot)
             slot.finish_read()
             window.copy_(values)
-            base, file_lo = align_down(lo), max(align_down(lo), self.resident)
-            slot.start_write(slot.buffer[file_lo - base:align_up(hi) - base], self.path, self.byte_offset(file_lo))
+            blocks, byte_offset = self._file_part(lo, hi, slot)
+            slot.start_write(blocks, self.path, byte_offset)
             slot.finish_write()
         finally:
             self.swapper.release(slot)
