@@ -123,7 +123,8 @@ def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
         x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
         gathered.clear()
         loss = engine(x).square().mean()
-        in_use = {ref().data_ptr() for ref in gathered if ref() is not None and not part.pool.holds(ref())}
+        pooled = {buffer.data_ptr() for waiting in part.pool.free.values() for buffer in waiting}
+        in_use = {ref().data_ptr() for ref in gathered if ref() is not None} - pooled
         alive = len(in_use)  # a pooled buffer may have served several gathers
         engine.backward(loss)
         engine.step()

@@ -31,6 +31,3 @@ class BufferPool:
         waiting = self.free.setdefault((buffer.numel(), buffer.dtype), [])
         if len(waiting) < self.per_size:
             waiting.append(buffer)
-
-    def holds(self, storage: torch.UntypedStorage) -> bool:
-        return any(b.untyped_storage().data_ptr() == storage.data_ptr() for w in self.free.values() for b in w)
