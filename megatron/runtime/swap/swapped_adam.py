@@ -35,7 +35,12 @@ class SubGroup:
     lo: int
     hi: int
     file: str  # the two moments
-    store: ShardStore | None  # set when the parameter's values [lo, hi) are in the store's swap file
+    store: ShardStore | None  # where the parameter's values live when a ZeRO-3 master is swapped
+
+    @property
+    def swapped(self) -> bool:
+        """The parameter's values [lo, hi) are in the store's swap file."""
+        return self.store is not None and self.lo >= self.store.resident
 
 
 def buffers_needed(offload: OffloadOptimizerConfig) -> int:
@@ -57,7 +62,6 @@ class SwappedAdam(CPUAdam):
         self.offload, self.aio, self.rank = offload, aio, rank
         self.sub_group_size = max(ALIGN, sub_group_size // ALIGN * ALIGN)
         self.sub_groups: dict[torch.Tensor, list[SubGroup]] = {}
-        self.stores: dict[torch.Tensor, ShardStore] = {}
         self.written: set[str] = set()  # files that hold moments (fast_init: the others read as zeros)
         self.slots: list[IoSlot] = []
         self.values_at = 0  # where a swapped sub-group's parameter values sit in a buffer
@@ -68,15 +72,13 @@ class SwappedAdam(CPUAdam):
         are those whose values are partly swapped too): check the disk's free space, make the
         buffers, and unless fast_init write zeros to every file."""
         params = [p for group in self.param_groups for p in group["params"]]
-        self.stores = stores
         self.folder = SwapFolder(self.offload.nvme_path, self.rank, "offload_optimizer")
         self.folder.check_space(2 * 4 * sum(p.numel() for p in params), WHAT)
         for index, param in enumerate(params):
             store = stores.get(param)
             bounds = self._bounds(param.numel(), store.resident if store is not None else param.numel())
             self.sub_groups[param] = [
-                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp"),
-                         store if store is not None and lo >= store.resident else None)
+                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp"), store)
                 for number, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
             ]
         sub_groups = [g for groups in self.sub_groups.values() for g in groups]
@@ -106,7 +108,7 @@ class SwappedAdam(CPUAdam):
             slot.start_read(moments, sub_group.file)
         else:
             moments.zero_()
-        if sub_group.store is not None:
+        if sub_group.swapped:
             slot.start_read(self._values(slot, sub_group), sub_group.store.path, sub_group.store.byte_offset(sub_group.lo))
 
     def _values(self, slot: IoSlot, sub_group: SubGroup) -> torch.Tensor:
@@ -114,9 +116,9 @@ class SwappedAdam(CPUAdam):
         return slot.buffer[self.values_at:self.values_at + align_up(sub_group.hi - sub_group.lo)]
 
     def _values_address(self, param: torch.Tensor, slot: IoSlot, sub_group: SubGroup) -> int:
-        if sub_group.store is not None:
+        if sub_group.swapped:
             return slot.buffer.data_ptr() + 4 * self.values_at
-        values = self.stores[param].memory if param in self.stores else param
+        values = sub_group.store.memory if sub_group.store is not None else param
         return values.data_ptr() + sub_group.lo * values.element_size()
 
     @torch.no_grad()
@@ -147,7 +149,7 @@ class SwappedAdam(CPUAdam):
                 adamw_mode=bool(group["adamw_mode"]), num_threads=torch.get_num_threads(), tail_width=_TORCH_SCALAR_TAIL,
             )
             slot.start_write(slot.buffer[:2 * numel], sub_group.file)
-            if sub_group.store is not None:
+            if sub_group.swapped:
                 slot.start_write(self._values(slot, sub_group), sub_group.store.path, sub_group.store.byte_offset(sub_group.lo))
             self.written.add(sub_group.file)
             if not self.offload.pipeline_write:
