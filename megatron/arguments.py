@@ -59,6 +59,8 @@ class TrainingConfig:
     seed: int
     expert_parallel_size: int
     zero_stage: int
+    check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
+    max_consecutive_skipped_iterations: int  # 0: no limit
     deepspeed_scheduler: dict[str, Any] | None  # a DeepSpeed "scheduler" block replaces Megatron's annealing
     deepspeed_accumulation: int | None  # gradient_accumulation_steps from the DeepSpeed JSON, checked later
     # the JSON's blocks that no Megatron flag sets: zero_optimization's other keys, aio, tensorboard,
@@ -87,6 +89,17 @@ class CheckpointConfig:
     load_optim: bool
     load_rng: bool
     reset_iteration: bool  # --load reads the weights only and the run starts at iteration 0
+    ckpt_step: int | None  # the iteration to load instead of `latest`
+    overwrite_checkpoints: bool  # a run from scratch may save over the checkpoints already in --save
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    """When a run stops early on purpose, saving a checkpoint first (Megatron's flags)."""
+    signal_handler: bool
+    signal: str  # the signal's name, e.g. "SIGTERM"
+    interval: int | None  # iterations
+    duration_minutes: float | None
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class PretrainConfig:
     training: TrainingConfig
     logging: LoggingConfig
     checkpoint: CheckpointConfig
+    exit: ExitConfig
     flags: dict[str, Any]  # the parsed flags as given, saved with every checkpoint
     distill: DistillConfig | None = None  # None: no teacher
     dry_run: bool = False  # size the model on the meta device and stop
@@ -238,6 +252,23 @@ def build_parser(sizing: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--reset-iteration", action="store_true",
                    help="--load only the weights and start at iteration 0 with a fresh optimizer and LR schedule")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the one `latest` names")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let a run that starts from scratch save into a --save folder that already holds checkpoints")
+
+    g = parser.add_argument_group("long runs: faults and planned exits")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help="stop on a NaN or infinite loss or gradient in bf16/fp32 (default)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+                   help="skip such steps instead, as fp16 always does")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=50,
+                   help="stop when this many iterations in a row skip their step (fp16 overflow); 0: never")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal, save a checkpoint at the next iteration and exit 0")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"])
+    g.add_argument("--exit-interval", type=int, default=None, help="save and exit when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit once training has run this many minutes")
     add_distill_args(parser)
     return parser
 
@@ -294,7 +325,8 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                      "global_batch_size", "train_iters", "train_samples", "train_tokens", "log_interval",
-                     "eval_interval", "save_interval", "make_vocab_size_divisible_by", "lr",
+                     "eval_interval", "save_interval", "make_vocab_size_divisible_by", "lr", "ckpt_step",
+                     "exit_interval", "exit_duration_in_mins",
                      "moe_expert_parallel_size", "topk"])
     if any(count < 1 for count in args.num_experts):
         raise ConfigError(f"--num-experts must be at least 1, got {args.num_experts}")
@@ -334,6 +366,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
         expert_parallel_size=args.moe_expert_parallel_size, zero_stage=args.zero_stage,
+        check_for_nan=args.check_for_nan_in_loss_and_grad,
+        max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_scheduler=args.deepspeed_scheduler, deepspeed_accumulation=args.deepspeed_accumulation,
         deepspeed_passthrough=args.deepspeed_passthrough,
     )
@@ -351,9 +385,17 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     checkpoint = CheckpointConfig(
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, reset_iteration=args.reset_iteration,
+        ckpt_step=args.ckpt_step, overwrite_checkpoints=args.overwrite_checkpoints,
     )
+    if args.ckpt_step is not None and not args.load:
+        raise ConfigError("--ckpt-step picks a checkpoint in --load; add --load DIR or drop it")
+    if args.max_consecutive_skipped_iterations < 0:
+        raise ConfigError(f"--max-consecutive-skipped-iterations must be 0 (no limit) or positive, "
+                          f"got {args.max_consecutive_skipped_iterations}")
+    exit_config = ExitConfig(signal_handler=args.exit_signal_handler, signal=args.exit_signal,
+                             interval=args.exit_interval, duration_minutes=args.exit_duration_in_mins)
     distill = distill_config_from_args(args, training.tokens_per_iteration)
-    return PretrainConfig(model, data, training, logging, checkpoint, flags=vars(args), distill=distill,
+    return PretrainConfig(model, data, training, logging, checkpoint, exit_config, flags=vars(args), distill=distill,
                           dry_run=args.dry_run)
 
 

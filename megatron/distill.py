@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpointing import latest_iteration
+from megatron.checkpoint.iterations import read_latest
 from megatron.distill_config import DistillConfig
 from megatron.errors import CheckpointError, ConfigError
 from megatron.inference.checkpoint_model import build_saved_model, checkpoint_folder, model_config_from_state, read_client_state
@@ -24,18 +24,18 @@ from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.model import GPTConfig, GPTModel
 from megatron.parallel import ParallelGrid
 from megatron.runtime.engine import Engine
-from megatron.runtime.state_io import ShardedReader, expert_ids
+from megatron.checkpoint.tensors import ShardedReader, expert_ids
 
 
-def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, ep_size: int) -> tuple[Path, GPTConfig]:
+def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, grid: ParallelGrid) -> tuple[Path, GPTConfig]:
     """The teacher's checkpoint folder and saved config, checked against the teacher flags and the
     student (vocabulary, positions, expert-parallel size) before anything is built."""
-    if latest_iteration(cfg.load_teacher) is None:
+    if read_latest(cfg.load_teacher)[0] is None:
         raise CheckpointError(
             f"--load-teacher {cfg.load_teacher} holds no checkpoint (no latest_checkpointed_iteration.txt); "
             "pass the --save directory of the teacher's training run"
         )
-    folder = checkpoint_folder(cfg.load_teacher)
+    folder = checkpoint_folder(cfg.load_teacher, grid)
     client = read_client_state(folder)
     saved = model_config_from_state(client["model_config"], folder)
     wrong = cfg.teacher.mismatches(saved)
@@ -51,9 +51,9 @@ def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, 
     if saved.position_embedding_type == "learned_absolute" and saved.max_position_embeddings < seq_length:
         raise ConfigError(f"the teacher has {saved.max_position_embeddings} positions but --seq-length is {seq_length}; "
                           f"use a --seq-length of at most {saved.max_position_embeddings}")
-    uneven = [count for count in saved.experts_per_layer if count > 1 and count % ep_size]
+    uneven = [count for count in saved.experts_per_layer if count > 1 and count % grid.ep_size]
     if uneven:
-        raise ConfigError(f"the teacher's {uneven[0]} experts cannot be split over --moe-expert-parallel-size {ep_size}; "
+        raise ConfigError(f"the teacher's {uneven[0]} experts cannot be split over --moe-expert-parallel-size {grid.ep_size}; "
                           "choose an expert-parallel size that divides every teacher and student layer's expert count")
     return folder, saved
 

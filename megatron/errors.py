@@ -19,3 +19,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or does not match the model."""
+
+
+class TrainingStopped(UserError):
+    """The run cannot go on without damage (non-finite loss or gradients, every step skipped)."""

@@ -22,7 +22,7 @@ from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, DataError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
-from megatron.runtime.state_io import expert_ids
+from megatron.checkpoint.tensors import expert_ids
 
 GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)

@@ -10,6 +10,7 @@ torch.distributed is initialised with gloo on the CPU or NCCL on CUDA; launched 
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,14 @@ class ParallelGrid:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def gather_from_all(self, value: Any) -> list[Any]:
+        """Every rank's `value` (a small picklable object), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
 
 def is_parallel(group: dist.ProcessGroup | None) -> bool:

@@ -10,12 +10,15 @@ import numpy as np
 import torch
 
 from megatron.arguments import PretrainConfig
-from megatron.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
+from megatron.checkpoint.layout import iteration_tag
+from megatron.checkpoint.manifest import RunRecord
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
 from megatron.distill import distillation_losses, init_student_from_teacher, load_teacher, teacher_checkpoint
-from megatron.errors import DataError
+from megatron.errors import CheckpointError, DataError, TrainingStopped
+from megatron.exit_conditions import ExitConditions
 from megatron.losses import masked_mean
 from megatron.model import GPTModel
 from megatron.moe_monitor import MoEMonitor
@@ -35,6 +38,7 @@ class TrainResult:
     validation: list[tuple[int, float]] = field(default_factory=list)
     test_loss: float | None = None
     checkpoint: str | None = None
+    exit_reason: str | None = None  # why the run stopped before --train-iters
 
 
 def set_seed(seed: int) -> None:
@@ -80,9 +84,12 @@ class Trainer:
         model = GPTModel(self.model_config, ep_group=grid.ep_group).to(grid.device)
         self.moe_monitor = MoEMonitor(model)
         t, ckpt = config.training, config.checkpoint
-        starts_fresh = not ckpt.load or latest_iteration(ckpt.load) is None
+        self.resume_from = resume_iteration(
+            ckpt.load, grid, ckpt.ckpt_step, None if ckpt.reset_iteration else t.train_iters, self.log.info,
+        ) if ckpt.load else None
+        self._refuse_overwriting_checkpoints()
         # teacher checks and the student's init from the teacher come before the engine copies the weights
-        self.teacher = self._setup_teacher(model, starts_fresh)
+        self.teacher = self._setup_teacher(model, self.resume_from is None)
         runtime = config.runtime_config(grid.dp_size)
         optimizer = build_optimizer(model, runtime, rank=grid.rank)
         scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
@@ -97,15 +104,34 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.saved_iteration: int | None = None
-        if ckpt.load:
-            client = load_checkpoint(self.engine, ckpt.load, grid, load_optim=ckpt.load_optim and not ckpt.reset_iteration,
-                                     load_rng=ckpt.load_rng)
-            if client is not None and ckpt.reset_iteration:
-                self.log.info(f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
-                              "fresh optimizer and LR schedule, starting at iteration 0")
-            elif client is not None:
-                self.iteration = self.saved_iteration = client["iteration"]
-                self.consumed_samples = client["consumed_samples"]
+        if self.resume_from is not None:
+            self._load(self.resume_from)
+
+    def _refuse_overwriting_checkpoints(self) -> None:
+        """A run that starts at iteration 0 would save over the checkpoints of an earlier run."""
+        ckpt = self.config.checkpoint
+        starts_at_zero = self.resume_from is None or ckpt.reset_iteration
+        if ckpt.save and starts_at_zero and not ckpt.overwrite_checkpoints and holds_checkpoints(ckpt.save):
+            newest = max(saved_iterations(ckpt.save), default=None)
+            held = f"checkpoints up to iteration {newest}" if newest is not None else "a latest_checkpointed_iteration.txt"
+            raise CheckpointError(
+                f"--save {ckpt.save} already holds {held} and this run starts from iteration 0, so it would overwrite "
+                f"them; add --load {ckpt.save} to resume, or --overwrite-checkpoints to start afresh over them"
+            )
+
+    def _load(self, iteration: int) -> None:
+        ckpt = self.config.checkpoint
+        client = self.engine.load_checkpoint(
+            ckpt.load, iteration_tag(iteration), load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
+            load_rng=ckpt.load_rng, verify=False,  # resume_iteration has just verified it
+        )
+        self.log.info(f" > loaded checkpoint {ckpt.load}/{iteration_tag(iteration)} at iteration {iteration}")
+        if ckpt.reset_iteration:
+            self.log.info(f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
+                          "fresh optimizer and LR schedule, starting at iteration 0")
+        else:
+            self.iteration = self.saved_iteration = client["iteration"]
+            self.consumed_samples = client["consumed_samples"]
 
     def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> GPTModel | None:
         """Check the teacher, initialise a fresh student from it if asked, and return it while KD
@@ -113,14 +139,14 @@ class Trainer:
         d, ckpt = self.config.distill, self.config.checkpoint
         if d is None:
             return None
-        start = 0 if starts_fresh or ckpt.reset_iteration else latest_iteration(ckpt.load)
+        start = 0 if starts_fresh or ckpt.reset_iteration else self.resume_from
         init = d.init_from_teacher and starts_fresh
         if not d.kd_active(start) and not init:
             if d.kd:
                 self.log.info(f" > knowledge distillation stopped at iteration {d.stop_iteration} and this run resumes "
                               f"at {start}: the teacher is not loaded")
             return None
-        folder, saved = teacher_checkpoint(d, self.model_config, self.config.training.seq_length, self.grid.ep_size)
+        folder, saved = teacher_checkpoint(d, self.model_config, self.config.training.seq_length, self.grid)
         if init:
             self.log.info(init_student_from_teacher(model, folder, saved))
         if not d.kd_active(start):
@@ -217,10 +243,37 @@ class Trainer:
             "iteration": self.iteration, "consumed_samples": self.consumed_samples,
             "model_config": asdict(self.model_config), "flags": self.config.flags,
         }
-        path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client)
+        data = self.config.data
+        run = RunRecord(
+            iteration=self.iteration, consumed_samples=self.consumed_samples,
+            consumed_tokens=self.consumed_samples * self.config.training.seq_length,
+            model=asdict(self.model_config),
+            tokenizer={"type": data.tokenizer_type, "model": data.tokenizer_model, "vocab_file": data.vocab_file,
+                       "merge_file": data.merge_file, "vocab_size": self.tokenizer.vocab_size},
+        )
+        path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client, run)
         result.checkpoint = str(path)
         self.saved_iteration = self.iteration
         self.log.info(f" > saved checkpoint at iteration {self.iteration} to {path}")
+
+    def _check_step(self) -> None:
+        """The non-finite policy: bf16/fp32 stop at the first non-finite loss or gradient (unless
+        --no-check-for-nan-in-loss-and-grad); any run stops when too many steps in a row were skipped."""
+        t, engine = self.config.training, self.engine
+        last_saved = f"iteration {self.saved_iteration}" if self.saved_iteration is not None else "none"
+        if engine.last_nonfinite is not None and t.check_for_nan and t.precision != "fp16":
+            raise TrainingStopped(
+                f"iteration {self.iteration}: {engine.last_nonfinite.describe()}, so the run stopped without saving "
+                f"(last checkpoint: {last_saved}); resume from it with a lower --lr or check the data, or pass "
+                "--no-check-for-nan-in-loss-and-grad to skip such steps"
+            )
+        limit = t.max_consecutive_skipped_iterations
+        if limit and engine.consecutive_skipped_steps >= limit:
+            raise TrainingStopped(
+                f"iteration {self.iteration}: the last {engine.consecutive_skipped_steps} iterations all skipped their "
+                f"step ({engine.last_nonfinite.describe()}), so the run stopped without saving (last checkpoint: "
+                f"{last_saved}); lower --lr or train in bf16, or raise --max-consecutive-skipped-iterations"
+            )
 
     def _validate(self, result: TrainResult) -> None:
         if self.valid_data is not None:
@@ -229,6 +282,13 @@ class Trainer:
             self.log.evaluation_line("validation", self.iteration, loss)
 
     def train(self) -> TrainResult:
+        exits = ExitConditions(self.config.exit, self.grid)
+        try:
+            return self._train(exits)
+        finally:
+            exits.close()
+
+    def _train(self, exits: ExitConditions) -> TrainResult:
         cfg, t = self.config, self.config.training
         result = TrainResult(iteration=self.iteration)
         if cfg.logging.eval_at_start and self.iteration == 0:
@@ -241,9 +301,11 @@ class Trainer:
             interval_losses.append(self.train_step(data_iter))
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
+            self._check_step()
+            exit_reason = exits.reason(self.iteration)
             if self.teacher is not None and not cfg.distill.kd_active(self.iteration):
                 self._stop_kd()
-            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
+            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters or exit_reason:
                 if self.grid.device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = (time.perf_counter() - interval_start) / len(interval_losses)
@@ -262,12 +324,15 @@ class Trainer:
                     "loss_scale": self.engine.loss_scaler.scale if t.precision == "fp16" else None,
                     "grad_norm": self.engine.last_grad_norm,
                     "skipped": self.engine.skipped_steps - interval_skipped,
+                    "skipped_total": self.engine.skipped_steps,
                     "tokens_per_second": t.tokens_per_iteration / seconds,
                     "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
                 })
                 self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.dp_group))
                 interval_losses.clear()
                 interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
+            if exit_reason:
+                return self._exit_early(result, exit_reason)
             if self.iteration % cfg.logging.eval_interval == 0:
                 self._validate(result)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
@@ -281,6 +346,16 @@ class Trainer:
         if cfg.checkpoint.save and self.saved_iteration != self.iteration:
             self._save(result)
         self._summary(result)
+        self.log.close()
+        return result
+
+    def _exit_early(self, result: TrainResult, reason: str) -> TrainResult:
+        """Save (unless this iteration is saved already) and stop, as Megatron's planned exits do."""
+        result.iteration, result.exit_reason = self.iteration, reason
+        if self.config.checkpoint.save and self.saved_iteration != self.iteration:
+            self._save(result)
+        saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "nothing saved (no --save)"
+        self.log.info(f" > exiting at iteration {self.iteration} of {self.config.training.train_iters}: {reason}; {saved}")
         self.log.close()
         return result
 

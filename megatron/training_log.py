@@ -54,6 +54,7 @@ class TrainingLogger:
             "learning-rate": stats["lr"], "lm loss": stats["lm_loss"], "grad-norm": stats["grad_norm"],
             "iteration-time": stats["iteration_ms"] / 1000.0, "tokens-per-second": stats["tokens_per_second"],
             "tflops": stats["tflops"], "batch-size": stats["global_batch_size"],
+            "skipped-iterations": stats["skipped"], "skipped-iterations-total": stats["skipped_total"],
             **({"loss-scale": stats["loss_scale"]} if stats.get("loss_scale") is not None else {}),
             **({"moe loss": stats["moe_loss"]} if stats.get("moe_loss") is not None else {}),
             **({"kd loss": stats["kd_loss"]} if stats.get("kd_loss") is not None else {}),

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.arguments import parse_args
-from megatron.checkpointing import LATEST_FILE
+from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError, ConfigError
 from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.parallel import build_parallel_grid, single_process_grid

@@ -141,7 +141,7 @@ def test_generate_tool_errors_are_one_sentence(checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate_main(["--load", str(tmp_path), "--prompt", "1"])
     assert exit_info.value.code == 1
-    assert "has no latest_checkpointed_iteration.txt" in capsys.readouterr().err
+    assert "latest_checkpointed_iteration.txt is missing; pass the --save directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         generate_main(["--load", checkpoint, "--prompt", "1", "--top-p", "2"])
     assert capsys.readouterr().err.startswith("error: --top-p must be in (0, 1]")
@@ -150,6 +150,7 @@ def test_generate_tool_errors_are_one_sentence(checkpoint, tmp_path, capsys):
 def test_a_checkpoint_without_a_usable_model_config_is_refused(checkpoint, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(checkpoint, copy)
+    (copy / "iter_0000003" / "manifest.json").unlink()  # as saved before manifests: nothing checks the edits
     engine_json = copy / "iter_0000003" / "engine.json"
     meta = json.loads(engine_json.read_text())
     engine_json.write_text(json.dumps({**meta, "client_state": {**meta["client_state"], "model_config": {

@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.runtime.state_io import ShardedReader
+from megatron.checkpoint.tensors import ShardedReader
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus

@@ -90,8 +90,10 @@ def test_bf16_skips_a_step_with_non_finite_gradients_and_says_so(capsys):
     engine = initialize(small_model(), {"train_batch_size": 2, "bf16": {"enabled": True}}, SINGLE)
     engine.backward(engine(torch.full((2, 8), float("nan"))).sum())
     engine.step()
-    assert engine.last_step_skipped
-    assert "step 1: the gradients are not finite; skipping" in capsys.readouterr().out
+    assert engine.last_step_skipped and engine.consecutive_skipped_steps == 1
+    assert engine.last_nonfinite.loss_ranks == [0] and engine.last_nonfinite.grad_ranks == [0]
+    assert ("step 1: the loss is not finite on rank 0 and the gradient norm is not finite on rank 0; skipping"
+            in capsys.readouterr().out)
 
 
 def lamb_reference(param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float],

@@ -5,10 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpointing import LATEST_FILE, latest_iteration
+from megatron.checkpoint.iterations import read_latest
+from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.runtime import state_io
+from megatron.checkpoint import tensors as state_io
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
@@ -44,11 +45,16 @@ def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
 def test_checkpoint_layout_is_safetensors_and_json(corpus, tmp_path):
     save = tmp_path / "ckpt"
     Trainer(tiny_config(corpus, train_iters=6, save=str(save), save_interval=3), SINGLE).train()
-    assert latest_iteration(str(save)) == 6
+    assert read_latest(str(save))[0] == 6
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000006", LATEST_FILE]
     files = sorted(p.name for p in (save / "iter_0000006").iterdir())
-    assert files == ["engine.json", "model_rank00000.safetensors", "optimizer_rank00000.safetensors",
+    assert files == ["engine.json", "manifest.json", "model_rank00000.safetensors", "optimizer_rank00000.safetensors",
                      "rng_rank00000.safetensors"]
+    manifest = json.loads((save / "iter_0000006" / "manifest.json").read_text())
+    assert manifest["format_version"] == 1 and sorted(manifest["files"]) == [f for f in files if f != "manifest.json"]
+    assert manifest["run"]["iteration"] == 6 and manifest["run"]["consumed_tokens"] == 24 * 16
+    assert manifest["run"]["model"]["hidden_size"] == 32 and manifest["run"]["tokenizer"]["type"] == "NullTokenizer"
+    assert (manifest["world_size"], manifest["zero_stage"], manifest["precision"]) == (1, 0, "fp32")
     meta = json.loads((save / "iter_0000006" / "engine.json").read_text())
     assert meta["client_state"]["iteration"] == 6 and meta["client_state"]["consumed_samples"] == 24
     assert "exp_avg/word_embeddings.weight" in load_file(str(save / "iter_0000006" / "optimizer_rank00000.safetensors"))
@@ -82,11 +88,11 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(corpus, tmp_path, monk
             raise OSError("disk full")
         real_save(path, tensors, metadata)
 
-    monkeypatch.setattr("megatron.runtime.engine.save_tensors", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr("megatron.checkpoint.save.save_tensors", failing_save)
+    with pytest.raises(CheckpointError, match=r"saving .*iter_0000004 failed on rank 0 \(disk full\); the partial folder was removed"):
         trainer.train()
-    assert latest_iteration(str(save)) == 2
-    assert not (save / "iter_0000004").exists()
+    assert read_latest(str(save))[0] == 2
+    assert not (save / "iter_0000004").exists() and not (save / "iter_0000004.tmp").exists()
     monkeypatch.undo()
     reloaded = Trainer(tiny_config(corpus, train_iters=4, load=str(save)), SINGLE)
     assert reloaded.iteration == 2

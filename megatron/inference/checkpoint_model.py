@@ -5,20 +5,21 @@ any other (each rank reads only its own experts).
 """
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpointing import iteration_tag, latest_iteration
+from megatron.checkpoint.iterations import read_latest
+from megatron.checkpoint.layout import ENGINE_FILE, iteration_tag
+from megatron.checkpoint.verify import read_engine_meta, verify_folder
 from megatron.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.errors import CheckpointError
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
 from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
-from megatron.runtime.state_io import ShardedReader, load_model_entries
+from megatron.checkpoint.tensors import ShardedReader, load_model_entries
 
 TOKENIZER_FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")
 
@@ -32,25 +33,24 @@ class LoadedModel:
     folder: Path
 
 
-def checkpoint_folder(load_dir: str | Path, iteration: int | None = None) -> Path:
-    """`load_dir/iter_N/` for the given iteration, or the latest one."""
+def checkpoint_folder(load_dir: str | Path, grid: ParallelGrid, iteration: int | None = None) -> Path:
+    """`load_dir/iter_N/` for the given iteration, or the latest one, once its files verify."""
     if iteration is None:
-        iteration = latest_iteration(str(load_dir))
+        iteration, problem = read_latest(str(load_dir))
         if iteration is None:
-            raise CheckpointError(
-                f"{load_dir} has no latest_checkpointed_iteration.txt; pass the --save directory of a training run"
-            )
+            raise CheckpointError(f"{problem}; pass the --save directory of a training run, or --iteration N")
     folder = Path(load_dir) / iteration_tag(iteration)
-    if not (folder / "engine.json").is_file():
-        raise CheckpointError(f"no checkpoint at {folder} (engine.json is missing); check --load and --iteration")
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint at {folder}; check --load and --iteration")
+    verify_folder(folder, grid)
     return folder
 
 
 def read_client_state(folder: Path) -> dict[str, Any]:
-    client = json.loads((folder / "engine.json").read_text()).get("client_state", {})
+    client = read_engine_meta(folder).get("client_state", {})
     if "model_config" not in client or "flags" not in client:
         raise CheckpointError(
-            f"{folder}/engine.json holds no model config or training flags; load a checkpoint saved by pretrain_gpt.py"
+            f"{folder / ENGINE_FILE} holds no model config or training flags; load a checkpoint saved by pretrain_gpt.py"
         )
     return client
 
@@ -61,7 +61,7 @@ def model_config_from_state(saved: dict[str, Any], folder: Path) -> GPTConfig:
         return GPTConfig(**{**saved, "num_experts": tuple(saved["num_experts"]), "moe": MoEConfig(**saved["moe"])})
     except (TypeError, KeyError) as e:
         raise CheckpointError(
-            f"the model config in {folder}/engine.json does not fit this version's GPTConfig ({e}); "
+            f"the model config in {folder / ENGINE_FILE} does not fit this version's GPTConfig ({e}); "
             "load it with the toolkit version that saved it"
         ) from e
 
@@ -78,7 +78,7 @@ def load_model(
 ) -> LoadedModel:
     """Build the saved model on `grid` (experts split over its expert-parallel group) and load it."""
     grid = grid or single_process_grid()
-    folder = checkpoint_folder(load_dir, iteration)
+    folder = checkpoint_folder(load_dir, grid, iteration)
     client = read_client_state(folder)
     tokenizer = tokenizer_from_flags(client["flags"], tokenizer_overrides)
     config = inference_config(model_config_from_state(client["model_config"], folder))

@@ -8,12 +8,10 @@ With ZeRO the optimizer updates this rank's flat fp32 shards (megatron/runtime/z
 updated shards are gathered back into the model's parameters (stage 3: when next used).
 """
 
-import json
 import math
-import os
-import shutil
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +27,15 @@ from megatron.runtime.monitor import EngineMonitor
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from megatron.runtime.optim.lamb import Lamb
 from megatron.runtime.swap.swapped_adam import SwappedAdam
-from megatron.errors import CheckpointError, ConfigError
-from megatron.runtime.state_io import (
+from megatron.errors import ConfigError
+from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file
+from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.save import EngineState, save_folder
+from megatron.checkpoint.tensors import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
-    optimizer_groups, save_rng_state, save_tensors,
+    optimizer_groups,
 )
+from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
 from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_state_entries
 
 
@@ -85,6 +87,19 @@ def build_optimizer(
         return optimizer_class(groups, fused=True, **params)
     except TypeError as error:
         raise ConfigError(f"bad optimizer.params for {kind}: {error}; use the parameter names of DeepSpeed's {kind}") from None
+
+
+@dataclass(frozen=True)
+class NonFiniteStep:
+    """An optimizer step whose loss or gradients held a NaN or an infinity, and on which ranks."""
+    step: int
+    loss_ranks: list[int]
+    grad_ranks: list[int]
+
+    def describe(self) -> str:
+        parts = [f"the {what} is not finite on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+                 for what, ranks in (("loss", self.loss_ranks), ("gradient norm", self.grad_ranks)) if ranks]
+        return " and ".join(parts)
 
 
 def build_loss_scaler(config: RuntimeConfig) -> DynamicLossScaler | StaticLossScaler:
@@ -145,6 +160,9 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+        self.consecutive_skipped_steps = 0
+        self.last_nonfinite: NonFiniteStep | None = None  # which ranks saw what, when the last step was skipped
+        self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=parallel.device)  # no sync per micro-batch
         self.monitor = EngineMonitor(config, parallel.is_first_rank, parallel.device)
         self._broadcast_parameters()
         self.zero_stage = config.zero_optimization.stage
@@ -187,6 +205,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.monitor.record_loss(loss)
+        self._loss_nonfinite |= ~torch.isfinite(loss.detach()).all()
         self.monitor.start("backward")
         scale = self.loss_scaler.scale
         if self.zero is not None:
@@ -215,10 +234,11 @@ class Engine:
             dist.all_reduce(flat, group=group)
             torch._foreach_copy_(same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)])
 
-    def _global_sq_norm(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> float:
-        """Squared norm of all gradients of the model: each expert lives on one rank of the
-        expert-parallel group; dense gradients are replicated, or under ZeRO split into disjoint
-        shards (over data-parallel ranks, experts over expert-data-parallel ranks)."""
+    def _global_sq_norm(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> tuple[float, bool]:
+        """Squared norm of all gradients of the model, and whether this rank's own share of them
+        is non-finite. Each expert lives on one rank of the expert-parallel group; dense gradients
+        are replicated, or under ZeRO split into disjoint shards (over data-parallel ranks, experts
+        over expert-data-parallel ranks)."""
         def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             if not grads:
                 return torch.zeros((), device=self.parallel.device)
@@ -226,11 +246,27 @@ class Engine:
 
         grid = self.parallel
         dense_sq, expert_sq = sq_norm(dense_grads), sq_norm(expert_grads)
+        local_nonfinite = ~torch.isfinite(dense_sq + expert_sq)
         if self.partitions:
             all_reduce(dense_sq, grid.dp_group)
             all_reduce(expert_sq, grid.expert_dp_group)
         all_reduce(expert_sq, grid.ep_group)
-        return float(dense_sq + expert_sq)
+        return float(dense_sq + expert_sq), bool(local_nonfinite)
+
+    def _nonfinite_ranks(self, grads_nonfinite: bool, norm_finite: bool) -> NonFiniteStep | None:
+        """Which ranks saw a non-finite loss or gradients in this accumulation (one small
+        all-reduce over the world), or None when none did and the global norm is finite."""
+        world, rank = self.parallel.world_size, self.parallel.rank
+        flags = torch.zeros(2 * world, device=self.parallel.device)
+        flags[2 * rank] = self._loss_nonfinite.float()
+        flags[2 * rank + 1] = float(grads_nonfinite)
+        if world > 1:
+            dist.all_reduce(flags)
+        self._loss_nonfinite.zero_()
+        loss_ranks, grad_ranks = (torch.nonzero(flags[k::2]).flatten().tolist() for k in (0, 1))
+        if not norm_finite and not grad_ranks:  # finite shares whose squares overflow together
+            grad_ranks = list(range(world))
+        return NonFiniteStep(self.global_steps + 1, loss_ranks, grad_ranks) if loss_ranks or grad_ranks else None
 
     def _reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sum gradients over their data-parallel groups; return the (dense, expert) gradients
@@ -258,19 +294,23 @@ class Engine:
         dense_grads, expert_grads = self._reduce_gradients()
         grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.parallel.dp_size
-        grad_norm = math.sqrt(self._global_sq_norm(dense_grads, expert_grads)) / divisor
+        sq_norm, grads_nonfinite = self._global_sq_norm(dense_grads, expert_grads)
+        grad_norm = math.sqrt(sq_norm) / divisor
         self.last_grad_norm = grad_norm
-        self.last_step_skipped = not math.isfinite(grad_norm)
+        self.last_nonfinite = self._nonfinite_ranks(grads_nonfinite, math.isfinite(grad_norm))
+        self.last_step_skipped = self.last_nonfinite is not None
         if self.last_step_skipped:
             self.skipped_steps += 1
+            self.consecutive_skipped_steps += 1
             self.monitor.skipped(self.global_steps + 1, f"gradient overflow at loss scale {self.loss_scaler.scale:g}"
-                                 if self.config.fp16.enabled else "the gradients are not finite")
+                                 if self.config.fp16.enabled else self.last_nonfinite.describe())
         else:
             coeff = 1.0 / divisor
             clip = self.config.gradient_clipping
             if clip > 0 and grad_norm > clip:
                 coeff *= clip / (grad_norm + 1e-6)
             torch._foreach_mul_(grads, coeff)
+            self.consecutive_skipped_steps = 0
             self.optimizer.step()
             if self.zero is not None:
                 self.zero.after_step()
@@ -284,18 +324,14 @@ class Engine:
         self.monitor.stop("step")
         self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None) -> Path:
-        """Write `save_dir/tag/` atomically: everything goes to `tag.tmp` first, then is renamed,
-        so a crash mid-save leaves any earlier checkpoint untouched."""
-        final = Path(save_dir) / tag
-        staging = final.with_name(tag + ".tmp")
-        if self.parallel.is_first_rank:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        self.parallel.barrier()
+    @property
+    def precision(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.autocast_dtype, "fp32")
+
+    def checkpoint_state(self, client_state: dict[str, Any] | None = None) -> EngineState:
+        """This rank's share of a checkpoint: the model and optimizer entries it owns under their
+        global names, and (first rank) the counters, schedule and loss scale for engine.json."""
         grid = self.parallel
-        suffix = f"rank{grid.rank:05d}.safetensors"
-        save_rng_state(staging / f"rng_{suffix}")
         owns = {"owns_dense": grid.is_first_rank, "owns_experts": grid.expert_dp_rank == 0}
         with self.whole_parameters():
             model = model_entries(self.module, **owns)
@@ -303,44 +339,44 @@ class Engine:
             optim, optim_groups = partition_state_entries(self.optimizer, self.partitions), optimizer_groups(self.optimizer)
         else:
             optim, optim_groups = optimizer_entries(self.optimizer, self.param_names, **owns)
-        if model:
-            save_tensors(staging / f"model_{suffix}", model)
-        if optim:
-            save_tensors(staging / f"optimizer_{suffix}", optim)
-        if grid.is_first_rank:
-            meta = {
-                "global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                "skipped_steps": self.skipped_steps, "optimizer_groups": optim_groups,
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
-                "dp_size": grid.dp_size, "ep_size": grid.ep_size,
-            }
-            (staging / "engine.json").write_text(json.dumps(meta, indent=1))
-        self.parallel.barrier()
-        if self.parallel.is_first_rank:
-            old = final.with_name(tag + ".old")
-            if final.exists():
-                os.replace(final, old)
-            os.replace(staging, final)
-            shutil.rmtree(old, ignore_errors=True)
-        self.parallel.barrier()
-        return final
+        meta = {
+            "global_steps": self.global_steps, "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps, "optimizer_groups": optim_groups,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
+            "dp_size": grid.dp_size, "ep_size": grid.ep_size,
+        } if grid.is_first_rank else None
+        return EngineState(model, optim, meta, grid, self.zero_stage, self.precision)
+
+    def save_checkpoint(
+        self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None, run: RunRecord | None = None,
+    ) -> Path:
+        """Write `save_dir/tag/` with its manifest, atomically (megatron/checkpoint/save.py): a crash
+        mid-save leaves any earlier checkpoint untouched."""
+        return save_folder(self.checkpoint_state(client_state), Path(save_dir) / tag, run)
 
     def load_checkpoint(
-        self, load_dir: str | Path, tag: str, load_optimizer: bool = True, load_rng: bool = True
+        self, load_dir: str | Path, tag: str, load_optimizer: bool = True, load_rng: bool = True, verify: bool = True,
     ) -> dict[str, Any]:
-        """Restore model (and optimizer, schedule, loss scale, RNG); returns the client state."""
+        """Restore model (and optimizer, schedule, loss scale, RNG) after checking every file
+        against the manifest (`verify=False` when the caller has just done so); returns the client state."""
         folder = Path(load_dir) / tag
-        meta_path = folder / "engine.json"
-        if not meta_path.is_file():
-            raise CheckpointError(f"no checkpoint at {folder} (engine.json is missing); check --load and the tag")
-        meta = json.loads(meta_path.read_text())
+        if verify:
+            verify_folder(folder, self.parallel)
+        meta = read_engine_meta(folder)
+        try:
+            self._restore(folder, meta, load_optimizer, load_rng)
+        except KeyError as missing:
+            raise DamagedCheckpoint(f"{folder / ENGINE_FILE} lacks {missing}; load an earlier checkpoint") from None
+        return meta.get("client_state", {})
+
+    def _restore(self, folder: Path, meta: dict[str, Any], load_optimizer: bool, load_rng: bool) -> None:
         with self.whole_parameters():
-            load_model_entries(self.module, ShardedReader(folder, "model"))
+            load_model_entries(self.module, ShardedReader(folder, MODEL))
             if self.zero is not None:
                 self.zero.copy_from_parameters()
         if load_optimizer:
-            reader = ShardedReader(folder, "optimizer")
+            reader = ShardedReader(folder, OPTIMIZER)
             if self.partitions:
                 load_partition_state(self.optimizer, self.partitions, reader, meta["optimizer_groups"])
             else:
@@ -352,13 +388,12 @@ class Engine:
             self.global_steps = meta["global_steps"]
             self.micro_steps = self.global_steps * self.gradient_accumulation_steps
             self.skipped_steps = meta["skipped_steps"]
-        rng_path = folder / f"rng_rank{self.parallel.rank:05d}.safetensors"
+        rng_path = folder / rank_file(RNG, self.parallel.rank)
         if load_rng and rng_path.is_file():
             load_rng_state(rng_path)
         elif load_rng and self.parallel.is_first_rank:
             print(f" > {folder} has no RNG state for rank {self.parallel.rank} (saved with another world size): "
                   "random streams start afresh", flush=True)
-        return meta["client_state"]
 
 
 def initialize(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron.runtime.state_io import ShardedReader, load_optimizer_state, optimizer_state_keys
+from megatron.checkpoint.tensors import ShardedReader, load_optimizer_state, optimizer_state_keys
 from megatron.runtime.zero.layout import PartitionLayout
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.runtime.state_io import expert_ids
+from megatron.checkpoint.tensors import expert_ids
 
 
 @dataclass(frozen=True)

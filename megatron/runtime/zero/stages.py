@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.runtime.config import AioConfig, ZeroConfig
-from megatron.runtime.state_io import expert_ids
+from megatron.checkpoint.tensors import expert_ids
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.gatherer import ParameterGatherer
 from megatron.runtime.zero.layout import PartitionLayout, buckets_by_size

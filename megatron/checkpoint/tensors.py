@@ -12,14 +12,17 @@ joins such pieces back into the whole tensor.
 import json
 import random
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megatron.checkpoint.layout import rank_files
 from megatron.errors import CheckpointError
 
 
@@ -34,16 +37,26 @@ def global_entries(name: str, tensor: torch.Tensor, ids: tuple[int, ...] | None)
     return {f"{name}[{g}]": tensor[i] for i, g in enumerate(ids)}
 
 
+@contextmanager
+def open_tensors(path: Path) -> Iterator[Any]:
+    """A safetensors file opened for reading; a damaged one is a CheckpointError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as error:
+        raise CheckpointError(f"{path} is damaged ({error}); load an earlier checkpoint") from None
+
+
 class ShardedReader:
     """Reads entries by name from every `{stem}_rank*.safetensors` file of a checkpoint folder."""
 
     def __init__(self, folder: Path, stem: str) -> None:
-        self.files = sorted(folder.glob(f"{stem}_rank*.safetensors"))
+        self.files = rank_files(folder, stem)
         if not self.files:
             raise CheckpointError(f"no {stem}_rank*.safetensors in {folder}; the checkpoint is incomplete, load an earlier one")
         self.file_of: dict[str, Path] = {}
         for path in self.files:
-            with safe_open(str(path), framework="pt") as handle:
+            with open_tensors(path) as handle:
                 self.file_of.update(dict.fromkeys(handle.keys(), path))
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
         for key in self.file_of:
@@ -56,7 +69,7 @@ class ShardedReader:
         return key in self.file_of or key in self.pieces
 
     def _read(self, key: str) -> torch.Tensor:
-        with safe_open(str(self.file_of[key]), framework="pt") as handle:
+        with open_tensors(self.file_of[key]) as handle:
             return handle.get_tensor(key)
 
     def get(self, key: str, shape: torch.Size | None = None) -> torch.Tensor:
@@ -183,7 +196,7 @@ def save_rng_state(path: Path) -> None:
 
 
 def load_rng_state(path: Path) -> None:
-    with safe_open(str(path), framework="pt") as handle:
+    with open_tensors(path) as handle:
         metadata = handle.metadata()
         torch.set_rng_state(handle.get_tensor("torch_cpu"))
         if torch.cuda.is_available() and "torch_cuda" in handle.keys():

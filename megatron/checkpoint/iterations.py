@@ -1,0 +1,146 @@
+"""Megatron's checkpoint directory: one folder per saved iteration and `latest`, which names the
+one to resume from and moves only once that folder is complete and flushed.
+
+On load the directory is put right first (what a crash left: a `.tmp` folder is removed, an
+`.old` folder whose replacement never arrived is put back), then the iteration to resume from is
+chosen: `--ckpt-step N`, else `latest`, else (missing or garbage `latest`) the newest folder that
+verifies, with a log line saying so. A damaged checkpoint is refused with one sentence naming the
+file and the newest intact older iteration to load instead.
+"""
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron.checkpoint.durable import write_text_durably
+from megatron.checkpoint.layout import (
+    ENGINE_FILE, LATEST_FILE, MANIFEST_FILE, REPLACED_SUFFIX, STAGING_SUFFIX, iteration_tag, tag_iteration,
+)
+from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.verify import DamagedCheckpoint, verify_folder
+from megatron.errors import CheckpointError
+from megatron.parallel import ParallelGrid
+from megatron.runtime.engine import Engine
+
+Log = Callable[[str], None]
+
+
+def save_checkpoint(engine: Engine, save_dir: str, iteration: int, client_state: dict, run: RunRecord | None) -> Path:
+    """Save `save_dir/iter_N/` atomically, then move `latest` to it."""
+    folder = engine.save_checkpoint(save_dir, iteration_tag(iteration), client_state, run)
+    if engine.parallel.is_first_rank:
+        write_text_durably(Path(save_dir) / LATEST_FILE, f"{iteration}\n")
+    engine.parallel.barrier()
+    return folder
+
+
+def read_latest(load_dir: str) -> tuple[int | None, str | None]:
+    """The iteration `latest` names, or None and why it names none."""
+    latest = Path(load_dir) / LATEST_FILE
+    if not latest.is_file():
+        return None, f"{latest} is missing"
+    text = latest.read_bytes().decode(errors="replace").strip()
+    if not text.isdigit():
+        return None, f"{latest} holds {text[:40]!r} instead of an iteration number"
+    return int(text), None
+
+
+def saved_iterations(load_dir: str) -> list[int]:
+    """Iterations whose folder is complete (renamed into place), newest first."""
+    folder = Path(load_dir)
+    if not folder.is_dir():
+        return []
+    found = [tag_iteration(child.name) for child in folder.iterdir()
+             if (child / MANIFEST_FILE).is_file() or (child / ENGINE_FILE).is_file()]
+    return sorted((it for it in found if it is not None), reverse=True)
+
+
+def holds_checkpoints(save_dir: str) -> bool:
+    return bool(saved_iterations(save_dir)) or (Path(save_dir) / LATEST_FILE).is_file()
+
+
+def repair_directory(load_dir: str, log: Log) -> None:
+    """Undo what a crash during a save left behind (first rank only)."""
+    folder = Path(load_dir)
+    for child in sorted(folder.iterdir()):
+        if child.name.endswith(REPLACED_SUFFIX) and tag_iteration(child.name.removesuffix(REPLACED_SUFFIX)) is not None:
+            final = child.with_name(child.name.removesuffix(REPLACED_SUFFIX))
+            if final.exists():
+                shutil.rmtree(child)
+                log(f" > removed {child}, left by a save of {final.name} that was interrupted after it finished")
+            else:
+                child.rename(final)
+                log(f" > restored {final} from {child.name}: a save that was replacing it was interrupted")
+    for child in sorted(folder.iterdir()):
+        if child.name.endswith(STAGING_SUFFIX) and child.is_dir():
+            shutil.rmtree(child)
+            log(f" > removed {child}, a save that was interrupted before it finished")
+
+
+def newest_intact(load_dir: str, grid: ParallelGrid, below: int | None = None) -> int | None:
+    """The newest iteration (older than `below`) whose folder verifies."""
+    for iteration in saved_iterations(load_dir):
+        if below is not None and iteration >= below:
+            continue
+        try:
+            verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
+        except CheckpointError:
+            continue
+        return iteration
+    return None
+
+
+def _refuse_damaged(load_dir: str, iteration: int, grid: ParallelGrid, error: DamagedCheckpoint) -> CheckpointError:
+    older = newest_intact(load_dir, grid, below=iteration)
+    instead = f"load iteration {older} instead with --ckpt-step {older}" if older is not None else \
+        "no older intact checkpoint exists: start afresh in another --save folder"
+    return CheckpointError(f"checkpoint iteration {iteration} is damaged: {error}; {instead}")
+
+
+def resume_iteration(
+    load_dir: str, grid: ParallelGrid, ckpt_step: int | None, train_iters: int | None, log: Log,
+) -> int | None:
+    """The verified iteration to resume from, or None to start from scratch; `train_iters` (None:
+    no limit) is where the run ends. Every rank calls it."""
+    if not Path(load_dir).is_dir():
+        if ckpt_step is not None:
+            raise CheckpointError(f"--load {load_dir} does not exist, so --ckpt-step {ckpt_step} cannot be loaded; "
+                                  "check --load")
+        log(f" > --load {load_dir} does not exist yet: starting from random initialisation")
+        return None
+    if grid.is_first_rank:
+        repair_directory(load_dir, log)
+    grid.barrier()
+    if ckpt_step is not None:
+        iteration = ckpt_step
+        if iteration not in saved_iterations(load_dir):
+            have = ", ".join(map(str, saved_iterations(load_dir))) or "none"
+            raise CheckpointError(f"--ckpt-step {ckpt_step}: {load_dir} holds no complete checkpoint of that iteration "
+                                  f"(it has: {have}); pick one of those")
+    else:
+        iteration, problem = read_latest(load_dir)
+        if iteration is None and not saved_iterations(load_dir):
+            log(f" > no checkpoint in {load_dir}: starting from random initialisation")
+            return None
+        if iteration is None or iteration not in saved_iterations(load_dir):
+            problem = problem or f"{Path(load_dir) / LATEST_FILE} names iteration {iteration}, which has no complete folder"
+            iteration = newest_intact(load_dir, grid)
+            if iteration is None:
+                raise CheckpointError(f"{problem} and no checkpoint folder in {load_dir} is intact; "
+                                      "start afresh in another --save folder")
+            log(f" > {problem}: resuming from the newest intact checkpoint, iteration {iteration}")
+            return _within(iteration, train_iters, load_dir)
+    try:
+        verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
+    except DamagedCheckpoint as error:
+        raise _refuse_damaged(load_dir, iteration, grid, error) from None
+    return _within(iteration, train_iters, load_dir)
+
+
+def _within(iteration: int, train_iters: int | None, load_dir: str) -> int:
+    if train_iters is not None and iteration > train_iters:
+        raise CheckpointError(
+            f"the checkpoint to resume in {load_dir} is at iteration {iteration}, beyond --train-iters {train_iters}; "
+            "raise the training length or pick an earlier checkpoint with --ckpt-step"
+        )
+    return iteration

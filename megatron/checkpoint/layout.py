@@ -1,0 +1,50 @@
+"""Every name in a checkpoint directory, written once:
+
+    DIR/latest_checkpointed_iteration.txt   the iteration to resume from, moved last
+    DIR/iter_0000010/                        one checkpoint
+        manifest.json                        format version, what the run was, every file's size and CRC-32
+        engine.json                          engine counters, optimizer groups, LR schedule, loss scale, client state
+        model_rank00000.safetensors          tensors under global names (tensors.py), one file per writing rank
+        optimizer_rank00000.safetensors
+        rng_rank00000.safetensors
+    DIR/iter_0000010.tmp/                    a save in progress; a leftover one is removed
+    DIR/iter_0000010.old/                    the earlier save of the same iteration while a new one replaces it
+"""
+
+import re
+from pathlib import Path
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+ENGINE_FILE = "engine.json"
+MODEL, OPTIMIZER, RNG = "model", "optimizer", "rng"
+STAGING_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".old"
+
+_TAG = re.compile(r"iter_(\d{7,})")
+
+
+def iteration_tag(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def tag_iteration(name: str) -> int | None:
+    """The iteration of a folder named `iter_N` (no suffix), else None."""
+    match = _TAG.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def rank_file(stem: str, rank: int) -> str:
+    return f"{stem}_rank{rank:05d}.safetensors"
+
+
+def rank_files(folder: Path, stem: str) -> list[Path]:
+    return sorted(folder.glob(f"{stem}_rank*.safetensors"))
+
+
+def staging_folder(final: Path) -> Path:
+    return final.with_name(final.name + STAGING_SUFFIX)
+
+
+def replaced_folder(final: Path) -> Path:
+    return final.with_name(final.name + REPLACED_SUFFIX)

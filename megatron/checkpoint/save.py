@@ -1,0 +1,184 @@
+"""The save protocol, the same for every checkpoint:
+
+1. every rank checks that its tensors are finite and the first rank that the disk has room:
+   either failing stops here, before anything is written;
+2. the first rank makes `iter_N.tmp/` (removing a leftover one); every rank writes its files
+   into it, each one fsync'd and checksummed in a thread while the next is written;
+3. all ranks agree that every write succeeded (else the partial folder is removed and the run
+   stops with one sentence);
+4. the first rank writes the manifest, flushes the folder, moves an existing `iter_N/` aside to
+   `iter_N.old/`, renames `iter_N.tmp/` to `iter_N/`, flushes the directory and removes the old one.
+
+A crash at any point leaves every earlier checkpoint as it was; `iterations.py` moves `latest`
+only after step 4, and cleans up what a crash left behind.
+"""
+
+import errno
+import json
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpoint.durable import fsync_path, replace_durably
+from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
+from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
+from megatron.checkpoint.tensors import save_rng_state, save_tensors
+from megatron.errors import CheckpointError
+from megatron.parallel import ParallelGrid
+
+_FILE_OVERHEAD_BYTES = 1 << 20  # safetensors headers, engine.json, manifest: generous per file
+
+
+@dataclass
+class EngineState:
+    """What one rank writes: its model and optimizer entries, and (first rank) engine.json's content."""
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    meta: dict[str, Any] | None
+    grid: ParallelGrid
+    zero_stage: int
+    precision: str
+
+
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
+def _refuse_nonfinite(state: EngineState, final: Path) -> None:
+    bad = first_nonfinite(state.model) or first_nonfinite(state.optimizer)
+    found = [(rank, name) for rank, name in enumerate(state.grid.gather_from_all(bad)) if name]
+    if found:
+        rank, name = found[0]
+        raise CheckpointError(
+            f"{name} holds a NaN or an infinity on rank {rank}, so {final} was not written and the latest checkpoint "
+            "is unchanged; the run diverged: resume from that checkpoint with a lower --lr or check the data"
+        )
+
+
+def _bytes_needed(state: EngineState) -> int:
+    local = sum(t.numel() * t.element_size() for part in (state.model, state.optimizer) for t in part.values())
+    return sum(state.grid.gather_from_all(local + 4 * _FILE_OVERHEAD_BYTES))
+
+
+def _refuse_full_disk(needed: int, free: int, final: Path) -> None:
+    if needed > free:
+        raise CheckpointError(
+            f"saving {final} needs about {needed:,} bytes but its disk has {free:,} free; nothing was written and "
+            "earlier checkpoints are intact; free space or point --save at a larger disk"
+        )
+
+
+class _RankWriter:
+    """Writes one rank's files into the staging folder; a thread fsyncs and checksums each."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending: dict[str, Future[FileRecord]] = {}
+
+    def _written(self, name: str) -> None:
+        path = self.folder / name
+        self.pending[name] = self.pool.submit(lambda: (fsync_path(path), file_record(path))[1])
+
+    def tensors(self, stem: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+        if tensors:
+            save_tensors(self.folder / rank_file(stem, rank), tensors)
+            self._written(rank_file(stem, rank))
+
+    def rng(self, rank: int) -> None:
+        save_rng_state(self.folder / rank_file(RNG, rank))
+        self._written(rank_file(RNG, rank))
+
+    def text(self, name: str, text: str) -> None:
+        (self.folder / name).write_text(text)
+        self._written(name)
+
+    def records(self) -> dict[str, FileRecord]:
+        try:
+            return {name: future.result() for name, future in self.pending.items()}
+        finally:
+            self.pool.shutdown()
+
+
+def _write_rank_files(folder: Path, state: EngineState) -> tuple[dict[str, FileRecord], str | None]:
+    """This rank's files and their records, or the error that stopped the writing."""
+    rank = state.grid.rank
+    writer = _RankWriter(folder)
+    try:
+        writer.rng(rank)
+        writer.tensors(MODEL, rank, state.model)
+        writer.tensors(OPTIMIZER, rank, state.optimizer)
+        if state.meta is not None:
+            writer.text(ENGINE_FILE, json.dumps(state.meta, indent=1))
+        return writer.records(), None
+    except OSError as error:
+        writer.pool.shutdown(cancel_futures=True)
+        return {}, error.strerror or str(error)
+
+
+def _move_into_place(staging: Path, final: Path) -> None:
+    replaced = replaced_folder(final)
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a crash while iteration N was replaced before
+        os.replace(final, replaced)
+    replace_durably(staging, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _finish(staging: Path, final: Path, state: EngineState, files: dict[str, FileRecord], run: RunRecord | None) -> None:
+    grid = state.grid
+    write_manifest(staging, Manifest(
+        format_version=FORMAT_VERSION, run=run, world_size=grid.world_size, data_parallel_size=grid.dp_size,
+        expert_parallel_size=grid.ep_size, zero_stage=state.zero_stage, precision=state.precision,
+        files=dict(sorted(files.items())),
+    ))
+    fsync_path(staging)
+    _move_into_place(staging, final)
+
+
+def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
+    """Write `state` (every rank's) as the checkpoint folder `final`, atomically (see the module doc)."""
+    grid = state.grid
+    _refuse_nonfinite(state, final)
+    needed = _bytes_needed(state)
+    staging = staging_folder(final)
+    if grid.is_first_rank:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    free = grid.gather_from_all(shutil.disk_usage(final.parent).free if grid.is_first_rank else None)[0]
+    _refuse_full_disk(needed, free, final)
+    if grid.is_first_rank:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    grid.barrier()
+    records, error = _write_rank_files(staging, state)
+    outcomes = grid.gather_from_all((records, error))
+    failed = [(rank, error) for rank, (_, error) in enumerate(outcomes) if error]
+    if not failed:
+        finish_error = None
+        if grid.is_first_rank:
+            files = {name: record for rank_records, _ in outcomes for name, record in rank_records.items()}
+            try:
+                _finish(staging, final, state, files, run)
+            except OSError as error:
+                finish_error = error.strerror or str(error)
+        failed = [(0, error) for error in grid.gather_from_all(finish_error)[:1] if error]
+    if failed:
+        if grid.is_first_rank:
+            shutil.rmtree(staging, ignore_errors=True)
+        grid.barrier()
+        rank, reason = failed[0]
+        full = reason == os.strerror(errno.ENOSPC)
+        advice = f"it needs about {needed:,} bytes: free space or point --save at a larger disk" if full else \
+            "check the --save disk"
+        raise CheckpointError(f"saving {final} failed on rank {rank} ({reason}); the partial folder was removed and "
+                              f"earlier checkpoints are intact; {advice}")
+    return final
