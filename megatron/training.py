@@ -178,6 +178,7 @@ class Trainer:
             "train_data_prefix": list(d.train_data_path) if d.train_data_path else None,
             "valid_data_prefix": list(d.valid_data_path) if d.valid_data_path else None,
             "test_data_prefix": list(d.test_data_path) if d.test_data_path else None,
+            "vocab_size": self.tokenizer.vocab_size,  # every sample's ids are checked as it is read
         }
         if self.grid.is_first_rank:
             datasets = build_train_valid_test_datasets(*args, **paths)

@@ -131,9 +131,12 @@ def resume_iteration(
             log(f" > {problem}: resuming from the newest intact checkpoint, iteration {iteration}")
             return _within(iteration, train_iters, load_dir)
     try:
-        verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
+        manifest = verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
     except DamagedCheckpoint as error:
         raise _refuse_damaged(load_dir, iteration, grid, error) from None
+    if manifest is None:
+        log(f" > {Path(load_dir) / iteration_tag(iteration)} has no {MANIFEST_FILE} (saved by an earlier version): "
+            "loading it without verifying its files")
     return _within(iteration, train_iters, load_dir)
 
 

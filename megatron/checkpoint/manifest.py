@@ -43,6 +43,7 @@ class RunRecord(_Record):
 
 
 class Manifest(_Record):
+    """`checksum` is the CRC-32 of the manifest's own JSON without it, so a flip here is caught too."""
     format_version: int
     run: RunRecord | None
     world_size: int
@@ -51,6 +52,10 @@ class Manifest(_Record):
     zero_stage: int
     precision: str
     files: dict[str, FileRecord]
+    checksum: int = 0
+
+    def own_checksum(self) -> int:
+        return zlib.crc32(self.model_dump_json(exclude={"checksum"}).encode())
 
 
 def file_record(path: Path) -> FileRecord:
@@ -66,7 +71,7 @@ def file_record(path: Path) -> FileRecord:
 def write_manifest(folder: Path, manifest: Manifest) -> None:
     path = folder / MANIFEST_FILE
     with open(path, "w") as handle:
-        handle.write(manifest.model_dump_json(indent=1))
+        handle.write(manifest.model_copy(update={"checksum": manifest.own_checksum()}).model_dump_json(indent=1))
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -81,6 +86,8 @@ def read_manifest(folder: Path) -> Manifest | None:
     except (ValueError, ValidationError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         reason = str(error).splitlines()[0]
         raise CheckpointError(f"the manifest {path} is damaged ({reason})") from None
+    if manifest.checksum != manifest.own_checksum():
+        raise CheckpointError(f"the manifest {path} is damaged (its own CRC-32 does not match)")
     if manifest.format_version > FORMAT_VERSION:
         raise CheckpointError(f"{path} has checkpoint format {manifest.format_version} but this version reads up to "
                               f"{FORMAT_VERSION}; load it with the newer toolkit that saved it")

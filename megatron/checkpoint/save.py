@@ -31,7 +31,7 @@ from megatron.checkpoint.tensors import save_rng_state, save_tensors
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
 
-_FILE_OVERHEAD_BYTES = 1 << 20  # safetensors headers, engine.json, manifest: generous per file
+_FILE_OVERHEAD_BYTES = 64 << 10  # safetensors headers, engine.json, manifest: generous per file
 
 
 @dataclass

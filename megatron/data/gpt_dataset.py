@@ -5,7 +5,8 @@ Three index arrays, built exactly as Megatron-LM builds them (same seed -> same 
   sample_idx   [num_samples + 1, 2] (index into doc_idx, token offset) where each sample starts;
                sample i spans seq_length + 1 tokens, and shares its last token with sample i + 1
   shuffle_idx  order in which samples are served
-They are cached as .npy files next to the data so every rank and every restart reuses them.
+They are cached as .npy files next to the data so every rank and every restart reuses them; a
+cache that does not fit the documents or is damaged is rebuilt (after one warning).
 """
 
 import logging
@@ -65,9 +66,13 @@ def _build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, n
     return sample_idx
 
 
+def _shuffle_dtype(total_size: int) -> np.dtype:
+    return np.dtype(np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64)
+
+
 def _build_shuffle_idx(num_samples: int, total_size: int, np_rng: np.random.RandomState) -> np.ndarray:
     """Shuffle [0, num_samples) and [num_samples, total_size) separately, first part first."""
-    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    dtype = _shuffle_dtype(total_size)
     first = np.arange(num_samples, dtype=dtype)
     np_rng.shuffle(first)
     if num_samples == total_size:
@@ -109,21 +114,72 @@ def _save_atomically(path: str, array: np.ndarray) -> None:
             os.remove(tmp_path)
 
 
-def _cache_matches(
-    arrays: list[np.ndarray], documents: np.ndarray, tokens_per_epoch: int, num_samples: int, seq_length: int
-) -> bool:
-    """Whether cached arrays fit these documents. Megatron's file names omit the document range,
-    so a changed --split would otherwise silently reuse another split's arrays."""
+def _cache_problem(
+    arrays: list[np.ndarray],
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    tokens_per_epoch: int,
+    num_samples: int,
+    seq_length: int,
+) -> str | None:
+    """Why cached arrays cannot serve these documents, or None when they can.
+
+    Megatron's file names omit the document range, so a changed --split would otherwise silently
+    reuse another split's arrays; and a damaged file must be rebuilt, not crash the run or feed it
+    wrong samples. Each check is one numpy pass over an array: dtypes and shapes, doc_idx holding
+    each document once per epoch, every sample_idx row at the token where its sample starts,
+    shuffle_idx a permutation of the samples.
+    """
     doc_idx, sample_idx, shuffle_idx = arrays
     num_epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
     total_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
-    return (
-        doc_idx.shape == (num_epochs * len(documents),)
-        and sample_idx.shape == (total_samples + 1, 2)
-        and shuffle_idx.shape == (total_samples,)
-        and int(doc_idx.min()) == int(documents.min())
-        and int(doc_idx.max()) == int(documents.max())
+    expected = (
+        ("doc", doc_idx, np.dtype(np.int32), (num_epochs * len(documents),)),
+        ("sample", sample_idx, np.dtype(np.int32), (total_samples + 1, 2)),
+        ("shuffle", shuffle_idx, _shuffle_dtype(total_samples), (total_samples,)),
     )
+    for kind, array, dtype, shape in expected:
+        if array.dtype != dtype or array.shape != shape:
+            return f"its {kind} index is {array.dtype} of shape {array.shape}, not {dtype} of shape {shape}"
+
+    first_doc, last_doc = int(documents.min()), int(documents.max())
+    if doc_idx.min() < first_doc or doc_idx.max() > last_doc:
+        return f"its doc index holds documents outside [{first_doc}, {last_doc}]"
+    doc_counts = np.bincount(doc_idx - first_doc, minlength=last_doc - first_doc + 1)
+    if not np.array_equal(doc_counts, num_epochs * np.bincount(documents - first_doc, minlength=len(doc_counts))):
+        return f"its doc index does not hold each document once in each of {num_epochs} epochs"
+
+    rows, offsets = sample_idx[:, 0], sample_idx[:, 1]
+    if rows.min() < 0 or rows.max() >= len(doc_idx) or offsets.min() < 0 or sample_idx[0].any():
+        return "its sample index points outside the doc index"
+    doc_sizes = sizes[doc_idx]
+    doc_starts = np.zeros(len(doc_idx) + 1, dtype=np.int64)
+    np.cumsum(doc_sizes, dtype=np.int64, out=doc_starts[1:])
+    sample_starts = np.arange(total_samples + 1, dtype=np.int64) * seq_length
+    # Row k names the one token k * seq_length of the document stream: inside its document, at that position.
+    if (offsets[1:] >= doc_sizes[rows[1:]]).any() or not np.array_equal(doc_starts[rows] + offsets, sample_starts):
+        return f"its sample index rows are not every {seq_length}th token of the documents"
+
+    if total_samples and (shuffle_idx.min() < 0 or shuffle_idx.max() >= total_samples):
+        return f"its shuffle index points outside the {total_samples} samples"
+    served = np.zeros(total_samples, dtype=bool)
+    served[shuffle_idx] = True
+    if not served.all():
+        return "its shuffle index serves some samples twice and others never"
+    return None
+
+
+def _load_cached_array(path: str) -> np.ndarray | str:
+    """The memory-mapped array cached in `path`, or why it cannot be loaded."""
+    if not os.path.isfile(path):
+        return f"{os.path.basename(path)} is missing"
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    # numpy's header parser lets a truncated or garbled file through as ValueError, EOFError,
+    # SyntaxError, TypeError or tokenize.TokenError alike (and some of their messages suggest
+    # unpickling): the cache is derived data, so whatever stops it loading just means "rebuild".
+    except Exception as e:
+        return f"{os.path.basename(path)} is truncated or garbled ({type(e).__name__} on loading it)"
 
 
 def _load_or_build_index_arrays(
@@ -135,13 +191,28 @@ def _load_or_build_index_arrays(
     seq_length: int,
     seed: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The cached index arrays when they are whole and fit these documents, else freshly built ones.
+
+    Ranks need no coordination here: training builds on the first rank before a barrier, so the
+    others normally load a cache that is already good. Should another rank still find it damaged
+    (say, a node-local copy), it rebuilds and saves too, which is safe: the arrays depend only on
+    the arguments, so every rank writes the same bytes, each through its own temporary file and an
+    atomic rename, and a reader sees one whole, correct file or the damaged one (and rebuilds).
+    """
     stem = f"{dataset.path_prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
     paths = [f"{stem}_{kind}_idx.npy" for kind in ("doc", "sample", "shuffle")]
-    if all(os.path.isfile(p) for p in paths):
-        cached = [np.load(p, mmap_mode="r", allow_pickle=False) for p in paths]
-        if _cache_matches(cached, documents, tokens_per_epoch, num_samples, seq_length):
+    if any(os.path.isfile(p) for p in paths):
+        cached = [_load_cached_array(p) for p in paths]
+        unreadable = [c for c in cached if isinstance(c, str)]
+        if unreadable:
+            problem = ", ".join(unreadable)
+        else:
+            problem = _cache_problem(cached, dataset.sizes, documents, tokens_per_epoch, num_samples, seq_length)
+        if problem is None:
             return tuple(cached)
-        logger.warning("index cache %s_*_idx.npy was built for other documents; rebuilding it", stem)
+        logger.warning(
+            "index cache %s_*_idx.npy does not fit these documents or is damaged: %s; rebuilding it", stem, problem
+        )
     arrays = _build_index_arrays(dataset.sizes, documents, tokens_per_epoch, num_samples, seq_length, seed)
     try:
         for path, array in zip(paths, arrays):
@@ -154,7 +225,11 @@ def _load_or_build_index_arrays(
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples of seq_length + 1 tokens ({"text": int64 array}) drawn from `documents` of a data set."""
+    """Samples of seq_length + 1 tokens ({"text": int64 array}) drawn from `documents` of a data set.
+
+    With `vocab_size`, reading a sample that holds a token id outside [0, vocab_size) raises a
+    DataError naming the document, so data from another tokenizer (or a damaged .bin) stops the run.
+    """
 
     def __init__(
         self,
@@ -164,6 +239,7 @@ class GPTDataset(torch.utils.data.Dataset):
         num_samples: int,
         seq_length: int,
         seed: int,
+        vocab_size: int | None = None,
     ) -> None:
         prefix = indexed_dataset.path_prefix
         if len(documents) == 0 or documents.min() < 0 or documents.max() >= len(indexed_dataset):
@@ -182,6 +258,7 @@ class GPTDataset(torch.utils.data.Dataset):
             )
         self.name = name
         self.indexed_dataset = indexed_dataset
+        self.vocab_size = vocab_size
         self.doc_idx, self.sample_idx, self.shuffle_idx = _load_or_build_index_arrays(
             name, indexed_dataset, documents, tokens_per_epoch, num_samples, seq_length, seed
         )
@@ -195,15 +272,30 @@ class GPTDataset(torch.utils.data.Dataset):
         sample = int(self.shuffle_idx[i])
         first_doc, first_offset = (int(x) for x in self.sample_idx[sample])
         last_doc, last_offset = (int(x) for x in self.sample_idx[sample + 1])
+        sequences = self.doc_idx[first_doc : last_doc + 1]
         get = self.indexed_dataset.get
         if first_doc == last_doc:
-            tokens = get(self.doc_idx[first_doc], offset=first_offset, length=last_offset - first_offset + 1)
+            pieces = [get(sequences[0], offset=first_offset, length=last_offset - first_offset + 1)]
         else:
-            pieces = [get(self.doc_idx[first_doc], offset=first_offset)]
-            pieces.extend(get(self.doc_idx[d]) for d in range(first_doc + 1, last_doc))
-            pieces.append(get(self.doc_idx[last_doc], length=last_offset + 1))
-            tokens = np.concatenate(pieces)
-        return {"text": tokens.astype(np.int64)}
+            pieces = [get(sequences[0], offset=first_offset)]
+            pieces.extend(get(s) for s in sequences[1:-1])
+            pieces.append(get(sequences[-1], length=last_offset + 1))
+        tokens = np.concatenate(pieces, dtype=np.int64, casting="unsafe")
+        if self.vocab_size is not None and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            self._raise_bad_token(tokens, sequences, [len(p) for p in pieces])
+        return {"text": tokens}
+
+    def _raise_bad_token(self, tokens: np.ndarray, sequences: np.ndarray, piece_lengths: list[int]) -> None:
+        """Name the document (and sequence) holding the first out-of-vocabulary id of a sample."""
+        position = int(np.argmax((tokens < 0) | (tokens >= self.vocab_size)))
+        sequence = int(sequences[np.searchsorted(np.cumsum(piece_lengths), position, side="right")])
+        # The document holding a sequence is the last doc_idx entry at or before it (skipping empty documents).
+        document = int(np.searchsorted(self.indexed_dataset.doc_idx, sequence, side="right")) - 1
+        raise DataError(
+            f"{self.indexed_dataset.path_prefix}: document {document} (sequence {sequence}) holds token id "
+            f"{int(tokens[position])}, outside the vocabulary of {self.vocab_size} ids; preprocess the data with "
+            "the same tokenizer as training."
+        )
 
 
 PretrainingDataset = GPTDataset | BlendedDataset
@@ -257,12 +349,15 @@ def _build_dataset(
     num_samples: int,
     seq_length: int,
     seed: int,
+    vocab_size: int | None,
 ) -> PretrainingDataset | None:
     if num_samples == 0:
         return None
     if len(data_prefix) == 1:
         indexed, documents = _split_documents(data_prefix[0], splits_string, split_index)
-        return GPTDataset(name, indexed, documents, num_samples, seq_length, seed) if len(documents) else None
+        if not len(documents):
+            return None
+        return GPTDataset(name, indexed, documents, num_samples, seq_length, seed, vocab_size)
     prefixes, weights = parse_weighted_prefixes(data_prefix)
     weighted = [(*_split_documents(p, splits_string, split_index), w) for p, w in zip(prefixes, weights) if w > 0]
     kept = [(indexed, documents, w) for indexed, documents, w in weighted if len(documents)]
@@ -273,7 +368,7 @@ def _build_dataset(
         kept = [(indexed, documents, w / total) for indexed, documents, w in kept]
     per_dataset_samples = [math.ceil(num_samples * w * _BLEND_OVERSAMPLE) for _, _, w in kept]
     datasets = [
-        GPTDataset(name, indexed, documents, n, seq_length, seed)
+        GPTDataset(name, indexed, documents, n, seq_length, seed, vocab_size)
         for (indexed, documents, _), n in zip(kept, per_dataset_samples)
     ]
     return BlendedDataset(datasets, [w for _, _, w in kept], sum(per_dataset_samples))
@@ -288,11 +383,13 @@ def build_train_valid_test_datasets(
     train_data_prefix: list[str] | None = None,
     valid_data_prefix: list[str] | None = None,
     test_data_prefix: list[str] | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[PretrainingDataset | None, PretrainingDataset | None, PretrainingDataset | None]:
     """(train, valid, test) datasets, each a GPTDataset, a BlendedDataset or None.
 
     A split's own prefix list (train_data_prefix, ...) is used whole; otherwise the split comes
     from `data_prefix` cut by `splits_string`. Prefix lists are [p] or [w1, p1, w2, p2, ...].
+    With `vocab_size`, every sample read is checked to hold only token ids in [0, vocab_size).
     """
     own_prefixes = (train_data_prefix, valid_data_prefix, test_data_prefix)
     if not data_prefix and not any(own_prefixes):
@@ -302,9 +399,11 @@ def build_train_valid_test_datasets(
     datasets = []
     for index, (name, own, num_samples) in enumerate(zip(_SPLIT_NAMES, own_prefixes, train_valid_test_num_samples)):
         if own:
-            datasets.append(_build_dataset(name, own, None, index, num_samples, seq_length, seed))
+            datasets.append(_build_dataset(name, own, None, index, num_samples, seq_length, seed, vocab_size))
         elif data_prefix:
-            datasets.append(_build_dataset(name, data_prefix, splits_string, index, num_samples, seq_length, seed))
+            datasets.append(
+                _build_dataset(name, data_prefix, splits_string, index, num_samples, seq_length, seed, vocab_size)
+            )
         else:
             datasets.append(None)
     return tuple(datasets)

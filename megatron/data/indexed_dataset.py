@@ -9,6 +9,9 @@ The byte layout is Megatron-LM's, so files written here load there and the other
 
 `pointers` are byte offsets of each sequence in .bin; `doc_idx` lists the sequence at which each
 document starts, beginning with 0 and ending with num_sequences.
+
+Opening checks the whole index in a few vectorised passes: the exact file sizes, sizes >= 0,
+pointers that follow the sizes from byte 0 to the end of .bin, and a non-decreasing doc_idx.
 """
 
 import os
@@ -122,6 +125,78 @@ class MMapIndexedDatasetBuilder:
             os.remove(self._tmp_path)
 
 
+def _read_header(index_file: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, num_sequences, num_doc_idx) from the header, checked against the file's exact size."""
+    with open(index_file, "rb") as f:
+        header = f.read(_HEADER.size)
+    if not _MAGIC.startswith(header[: len(_MAGIC)]):
+        raise DataError(
+            f"{index_file} is not a Megatron mmap index (bad magic bytes); "
+            "regenerate it with tools/preprocess_data.py."
+        )
+    if len(header) < _HEADER.size:
+        raise DataError(
+            f"{index_file} is truncated inside its header; regenerate it with tools/preprocess_data.py."
+        )
+    _, version, code, num_sequences, num_doc_idx = _HEADER.unpack(header)
+    if version != _VERSION:
+        raise DataError(
+            f"{index_file} has index version {version}, but only version {_VERSION} is supported; "
+            "regenerate it with tools/preprocess_data.py."
+        )
+    if code not in DTYPE_CODES:
+        raise DataError(
+            f"{index_file} declares unknown dtype code {code} (known: 1-8); the file is corrupt, "
+            "regenerate it with tools/preprocess_data.py."
+        )
+    expected = _HEADER.size + num_sequences * (4 + 8) + num_doc_idx * 8
+    index_size = os.path.getsize(index_file)
+    if index_size != expected:
+        damage = "truncated" if index_size < expected else "longer than its header says"
+        raise DataError(
+            f"{index_file} is {damage}: its header declares {num_sequences} sequences and {num_doc_idx} "
+            f"document entries ({expected} bytes) but the file has {index_size} bytes; "
+            "regenerate it with tools/preprocess_data.py."
+        )
+    if num_sequences == 0:
+        raise DataError(f"{index_file} holds zero sequences; the corpus was empty, preprocess a non-empty one.")
+    return DTYPE_CODES[code], num_sequences, num_doc_idx
+
+
+def _check_index_arrays(
+    index_file: str, sizes: np.ndarray, pointers: np.ndarray, doc_idx: np.ndarray, itemsize: int
+) -> int:
+    """Check that the arrays describe sequences laid back to back from byte 0; return the .bin size they describe.
+
+    Vectorised over the whole index: each pointer must be the sum of the sizes before it, so one
+    damaged size or pointer anywhere shows up as a pointer that does not follow.
+    """
+    if sizes.min() < 0:
+        sequence = int(np.argmax(sizes < 0))
+        raise DataError(
+            f"{index_file} gives sequence {sequence} a negative size ({int(sizes[sequence])} tokens); "
+            "the index is corrupt, regenerate it with tools/preprocess_data.py."
+        )
+    ends = np.cumsum(sizes, dtype=np.int64)
+    ends *= itemsize
+    misplaced = pointers[1:] != ends[:-1]
+    if pointers[0] != 0 or misplaced.any():
+        sequence = 0 if pointers[0] != 0 else 1 + int(np.argmax(misplaced))
+        should_be = 0 if sequence == 0 else int(ends[sequence - 1])
+        raise DataError(
+            f"{index_file} says sequence {sequence} starts at byte {int(pointers[sequence])} of the .bin file, "
+            f"but the sizes before it put it at byte {should_be}; the index is corrupt, "
+            "regenerate it with tools/preprocess_data.py."
+        )
+    num_sequences = len(sizes)
+    if len(doc_idx) < 1 or doc_idx[0] != 0 or doc_idx[-1] != num_sequences or (doc_idx[1:] < doc_idx[:-1]).any():
+        raise DataError(
+            f"{index_file} has a corrupt document index (it must start at 0, never decrease and end at "
+            f"{num_sequences}); regenerate it with tools/preprocess_data.py."
+        )
+    return int(ends[-1])
+
+
 class MMapIndexedDataset:
     """Read-only, memory-mapped view of PREFIX.idx / PREFIX.bin, checked on open."""
 
@@ -136,54 +211,16 @@ class MMapIndexedDataset:
                 f"no indexed dataset at prefix {prefix!r}: both {idx_path(prefix)} and {bin_path(prefix)} are "
                 "needed; produce them with tools/preprocess_data.py."
             )
-        index_file = idx_path(prefix)
-        with open(index_file, "rb") as f:
-            header = f.read(_HEADER.size)
-        if not _MAGIC.startswith(header[: len(_MAGIC)]):
-            raise DataError(
-                f"{index_file} is not a Megatron mmap index (bad magic bytes); "
-                "regenerate it with tools/preprocess_data.py."
-            )
-        if len(header) < _HEADER.size:
-            raise DataError(
-                f"{index_file} is truncated inside its header; regenerate it with tools/preprocess_data.py."
-            )
-        _, version, code, num_sequences, num_doc_idx = _HEADER.unpack(header)
-        if version != _VERSION:
-            raise DataError(
-                f"{index_file} has index version {version}, but only version {_VERSION} is supported; regenerate it."
-            )
-        if code not in DTYPE_CODES:
-            raise DataError(
-                f"{index_file} declares unknown dtype code {code} (known: 1-8); the file is corrupt, regenerate it."
-            )
-        if num_sequences == 0:
-            raise DataError(f"{index_file} holds zero sequences; the corpus was empty, preprocess a non-empty one.")
-        self.dtype = DTYPE_CODES[code]
-
-        arrays_bytes = num_sequences * (4 + 8) + num_doc_idx * 8
-        index_size = os.path.getsize(index_file)
-        if index_size < _HEADER.size + arrays_bytes:
-            raise DataError(
-                f"{index_file} is truncated: its header declares {num_sequences} sequences and {num_doc_idx} "
-                f"document entries ({_HEADER.size + arrays_bytes} bytes) but the file has {index_size} bytes; "
-                "regenerate it with tools/preprocess_data.py."
-            )
-        index = np.memmap(index_file, mode="r", dtype=np.uint8, shape=(_HEADER.size + arrays_bytes,))
+        index_file, data_file = idx_path(prefix), bin_path(prefix)
+        self.dtype, num_sequences, num_doc_idx = _read_header(index_file)
+        index = np.memmap(index_file, mode="r", dtype=np.uint8)
         offset = _HEADER.size
         self.sizes = np.frombuffer(index, dtype=np.int32, count=num_sequences, offset=offset)
         offset += self.sizes.nbytes
         self.pointers = np.frombuffer(index, dtype=np.int64, count=num_sequences, offset=offset)
         offset += self.pointers.nbytes
         self.doc_idx = np.frombuffer(index, dtype=np.int64, count=num_doc_idx, offset=offset)
-        if num_doc_idx < 1 or self.doc_idx[0] != 0 or self.doc_idx[-1] != num_sequences:
-            raise DataError(
-                f"{index_file} has a corrupt document index (it must start at 0 and end at {num_sequences}); "
-                "regenerate it with tools/preprocess_data.py."
-            )
-
-        data_file = bin_path(prefix)
-        expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+        expected = _check_index_arrays(index_file, self.sizes, self.pointers, self.doc_idx, self.dtype.itemsize)
         actual = os.path.getsize(data_file)
         if actual != expected:
             raise DataError(

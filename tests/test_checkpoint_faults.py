@@ -1,0 +1,234 @@
+"""Faults around checkpoints, injected for real: SIGKILL at every step of the save protocol (twice
+in a row), bit flips in every file kind, a damaged or missing `latest`, a full disk, checkpoints
+saved before manifests existed."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron.checkpoint.iterations as iterations_module
+import megatron.checkpoint.save as save_module
+from megatron.checkpoint.iterations import read_latest
+from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
+from megatron.errors import CheckpointError
+from megatron.parallel import single_process_grid
+from megatron.training import Trainer
+from tests.training_fixtures import tiny_config, write_corpus
+
+SINGLE = single_process_grid(torch.device("cpu"))
+ITERS, INTERVAL = 6, 2
+# every disk operation of a save, in the order the protocol makes them
+PROTOCOL_STEPS = [(save_module, "save_rng_state"), (save_module, "save_tensors"), (save_module, "fsync_path"),
+                  (save_module, "write_manifest"), (save_module, "replace_durably"), (save_module.os, "replace"),
+                  (save_module.shutil, "rmtree"), (iterations_module, "write_text_durably")]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-for-bit comparisons across processes need the same reduction order in each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _count_protocol_steps(kill_at: int | None, calls: list[int]) -> None:
+    """Wrap every protocol step: count calls, and SIGKILL this process at call `kill_at`."""
+    for module, name in PROTOCOL_STEPS:
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, **kwargs):
+            calls.append(1)
+            if len(calls) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _real(*args, **kwargs)
+        setattr(module, name, counted)
+
+
+def _train_until_killed(corpus: str, folder: str, kill_at: int, made: "multiprocessing.sharedctypes.Synchronized") -> None:
+    torch.set_num_threads(1)
+    calls: list[int] = []
+    _count_protocol_steps(kill_at, calls)
+    Trainer(tiny_config(corpus, train_iters=ITERS, save=folder, load=folder, save_interval=INTERVAL), SINGLE).train()
+    made.value = len(calls)
+
+
+def _killed_child(corpus: str, folder: Path, kill_at: int) -> bool:
+    """A forked child trains in `folder` (resuming from it) and dies at protocol call `kill_at`:
+    True when it did, False when it finished making fewer calls than that."""
+    context = multiprocessing.get_context("fork")
+    made = context.Value("i", -1)
+    child = context.Process(target=_train_until_killed, args=(corpus, str(folder), kill_at, made))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL or (child.exitcode == 0 and made.value < kill_at), \
+        f"the child ended with {child.exitcode} after {made.value} protocol calls"
+    return child.exitcode == -signal.SIGKILL
+
+
+def _protocol_calls_per_save(corpus: str, tmp_path: Path) -> int:
+    calls: list[int] = []
+    real = {(module, name): getattr(module, name) for module, name in PROTOCOL_STEPS}
+    try:
+        _count_protocol_steps(None, calls)
+        Trainer(tiny_config(corpus, train_iters=INTERVAL, lr_warmup_iters=1, save=str(tmp_path / "count"), save_interval=INTERVAL),
+                SINGLE).train()
+    finally:
+        for (module, name), function in real.items():
+            setattr(module, name, function)
+    return len(calls)
+
+
+def test_a_kill_at_every_step_of_the_save_twice_in_a_row_loses_nothing(corpus, tmp_path, one_thread):
+    reference = Trainer(tiny_config(corpus, train_iters=ITERS, save=str(tmp_path / "full"), save_interval=INTERVAL),
+                        SINGLE)
+    reference.train()
+    per_save = _protocol_calls_per_save(corpus, tmp_path)
+    assert per_save >= 8  # rng, model, optimizer, engine.json (each fsync'd), manifest, renames, latest
+    for step in range(1, per_save + 1):
+        folder = tmp_path / f"kill{step}"
+        # the first child dies in its second save (iteration 4), the second in the first save it makes
+        # (a save after a resume may make fewer calls: nothing is left to remove)
+        assert _killed_child(corpus, folder, per_save + step)
+        _killed_child(corpus, folder, step)
+        finished = Trainer(tiny_config(corpus, train_iters=ITERS, save=str(folder), load=str(folder),
+                                       save_interval=INTERVAL), SINGLE)
+        finished.train()
+        for expected, resumed in zip(reference.engine.module.parameters(), finished.engine.module.parameters()):
+            assert torch.equal(expected, resumed), f"killed at step {step}: the resumed run differs"
+        assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006", LATEST_FILE]
+
+
+def _saved_run(corpus: str, folder: Path) -> Path:
+    Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE).train()
+    return folder
+
+
+def _flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["model_rank00000.safetensors", "optimizer_rank00000.safetensors",
+                                  "rng_rank00000.safetensors", "engine.json", MANIFEST_FILE])
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.97])
+def test_a_flipped_bit_in_any_file_is_refused_naming_it_and_the_older_checkpoint(corpus, tmp_path, name, where):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    damaged = folder / "iter_0000004" / name
+    _flip_bit(damaged, int(damaged.stat().st_size * where))
+    with pytest.raises(CheckpointError) as refused:
+        Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+    message = str(refused.value)
+    assert "checkpoint iteration 4 is damaged" in message and "load iteration 2 instead with --ckpt-step 2" in message
+    assert str(damaged) in message
+    resumed = Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder), ckpt_step=2), SINGLE)
+    assert resumed.iteration == 2
+
+
+@pytest.mark.parametrize("latest", [None, "garbage\n", "\x00\x00", "8\n"])
+def test_a_missing_or_bad_latest_resumes_from_the_newest_intact_checkpoint(corpus, tmp_path, capsys, latest):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    _flip_bit(folder / "iter_0000004" / "model_rank00000.safetensors", 1000)  # the newest is damaged too
+    if latest is None:
+        (folder / LATEST_FILE).unlink()
+    else:
+        (folder / LATEST_FILE).write_text(latest)
+    capsys.readouterr()
+    resumed = Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+    assert resumed.iteration == 2
+    assert "resuming from the newest intact checkpoint, iteration 2" in capsys.readouterr().out
+
+
+def test_a_fresh_run_does_not_overwrite_checkpoints_unless_told(corpus, tmp_path):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="already holds checkpoints up to iteration 4 and this run starts from "
+                                              "iteration 0.*--overwrite-checkpoints"):
+        Trainer(tiny_config(corpus, train_iters=3, save=str(folder)), SINGLE)
+    Trainer(tiny_config(corpus, train_iters=3, save=str(folder), overwrite_checkpoints=True), SINGLE).train()
+    assert read_latest(str(folder))[0] == 3
+
+
+def test_a_checkpoint_beyond_train_iters_is_one_sentence(corpus, tmp_path):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="at iteration 4, beyond --train-iters 3"):
+        Trainer(tiny_config(corpus, train_iters=3, load=str(folder), save=str(folder)), SINGLE)
+
+
+def test_leftovers_of_interrupted_saves_are_cleaned_up_with_a_log_line(corpus, tmp_path, capsys):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    (folder / "iter_0000004").rename(folder / "iter_0000004.old")  # killed between the two renames
+    (folder / "iter_0000006.tmp").mkdir()
+    capsys.readouterr()
+    resumed = Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+    out = capsys.readouterr().out
+    assert resumed.iteration == 4 and "restored" in out and "iter_0000006.tmp, a save that was interrupted" in out
+    assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", "iter_0000004", LATEST_FILE]
+
+
+def _mount_tmpfs(mount_point: Path, size: str) -> None:
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"a full disk is simulated with a small tmpfs, which needs root: {done.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount_point = tmp_path / "disk"
+    _mount_tmpfs(mount_point, "900k")  # room for one checkpoint of the tiny model (about 370 kB), not two
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(corpus, small_disk):
+    folder = small_disk / "ckpt"
+    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
+    with pytest.raises(CheckpointError, match=r"iter_0000004 needs about [\d,]+ bytes but its disk has [\d,]+ free; "
+                                              "nothing was written"):
+        trainer.train()
+    assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", LATEST_FILE]
+    assert read_latest(str(folder))[0] == 2
+
+
+def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, small_disk, monkeypatch):
+    folder = small_disk / "ckpt"
+    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
+    monkeypatch.setattr(save_module, "_refuse_full_disk", lambda needed, free, final: None)  # let it hit ENOSPC
+    with pytest.raises(CheckpointError, match=r"iter_0000004 failed on rank 0 \(No space left on device\); the partial "
+                                              r"folder was removed .* it needs about [\d,]+ bytes"):
+        trainer.train()
+    assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", LATEST_FILE]
+    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder)), SINGLE)
+    assert resumed.iteration == 2
+
+
+def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(corpus, tmp_path, capsys):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    for iteration in ("iter_0000002", "iter_0000004"):
+        (folder / iteration / MANIFEST_FILE).unlink()  # as an earlier version saved them
+    capsys.readouterr()
+    resumed = Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+    assert resumed.iteration == 4 and "has no manifest.json (saved by an earlier version)" in capsys.readouterr().out
+    engine_json = folder / "iter_0000004" / "engine.json"
+    text = engine_json.read_text()
+    for damage, expected in ((text[:40], "engine.json is damaged"), (text.replace('"loss_scaler"', '"x"'),
+                                                                     "engine.json lacks 'loss_scaler'")):
+        engine_json.write_text(damage)
+        with pytest.raises(CheckpointError, match=expected):
+            Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+    engine_json.write_text(text)
+    model = folder / "iter_0000004" / "model_rank00000.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="model_rank00000.safetensors is damaged"):
+        Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
