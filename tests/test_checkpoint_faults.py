@@ -184,15 +184,23 @@ def _mount_tmpfs(mount_point: Path, size: str) -> None:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(corpus, tmp_path):
+    """mount(extra): a disk with room for one checkpoint of the tiny model and `extra` bytes more."""
+    probe = tmp_path / "probe"
+    Trainer(tiny_config(corpus, train_iters=INTERVAL, lr_warmup_iters=1, save=str(probe)), SINGLE).train()
+    checkpoint_bytes = sum(f.stat().st_size for f in probe.rglob("*") if f.is_file())
     mount_point = tmp_path / "disk"
-    _mount_tmpfs(mount_point, "900k")  # room for one checkpoint of the tiny model (about 370 kB), not two
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
+
+    def mount(extra: int) -> Path:
+        _mount_tmpfs(mount_point, f"{(checkpoint_bytes + extra) // 4096 * 4096 + 8192}")
+        return mount_point
+    yield mount, checkpoint_bytes
+    subprocess.run(["umount", str(mount_point)], check=False)
 
 
 def test_a_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(corpus, small_disk):
-    folder = small_disk / "ckpt"
+    mount, checkpoint_bytes = small_disk
+    folder = mount(checkpoint_bytes) / "ckpt"  # the data of a second checkpoint fits, its estimate does not
     trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
     with pytest.raises(CheckpointError, match=r"iter_0000004 needs about [\d,]+ bytes but its disk has [\d,]+ free; "
                                               "nothing was written"):
@@ -202,11 +210,12 @@ def test_a_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(corpus, 
 
 
 def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, small_disk, monkeypatch):
-    folder = small_disk / "ckpt"
-    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
+    mount, checkpoint_bytes = small_disk
+    folder = mount(checkpoint_bytes // 2) / "ckpt"
     monkeypatch.setattr(save_module, "_refuse_full_disk", lambda needed, free, final: None)  # let it hit ENOSPC
-    with pytest.raises(CheckpointError, match=r"iter_0000004 failed on rank 0 \(No space left on device\); the partial "
-                                              r"folder was removed .* it needs about [\d,]+ bytes"):
+    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
+    with pytest.raises(CheckpointError, match=r"iter_0000004 failed on rank 0 \(.*No space left on device.*\); the "
+                                              r"partial folder was removed .* it needs about [\d,]+ bytes"):
         trainer.train()
     assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", LATEST_FILE]
     resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder)), SINGLE)
@@ -232,3 +241,17 @@ def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(co
     model.write_bytes(model.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="model_rank00000.safetensors is damaged"):
         Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+
+
+def test_large_state_is_cut_into_parts_that_resume_exactly(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(save_module, "_PART_BYTES", 20_000)  # the tiny model's state is about 360 kB
+    full = Trainer(tiny_config(corpus, train_iters=4, save=str(tmp_path / "full"), save_interval=2), SINGLE)
+    full.train()
+    folder = tmp_path / "full" / "iter_0000002"
+    parts = [p.name for p in folder.iterdir() if p.name.startswith("optimizer_rank00000")]
+    assert len(parts) > 3 and "optimizer_rank00000-1.safetensors" in parts
+    (tmp_path / "full" / LATEST_FILE).write_text("2\n")
+    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(tmp_path / "full"), save=str(tmp_path / "full")), SINGLE)
+    resumed.train()
+    for a, b in zip(full.engine.module.parameters(), resumed.engine.module.parameters()):
+        assert torch.equal(a, b)

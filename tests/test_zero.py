@@ -231,7 +231,8 @@ def test_checkpoint_from_stage_1_or_3_loads_under_one_process_and_other_stages_e
         for key in keys:
             name = key.split("/", 1)[1]
             uninterrupted = result[f"moe1-ep2-stage0/{name}"]
-            torch.testing.assert_close(result[key], uninterrupted, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+            # resumed under another stage and EP size: sums run in another order (up to 7e-6 apart on an AMD EPYC)
+            torch.testing.assert_close(result[key], uninterrupted, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {key}")
             torch.testing.assert_close(single[f"single/{name}"], uninterrupted, rtol=1e-4, atol=1e-5, msg=name)
 
 
@@ -267,7 +268,8 @@ def test_trainer_with_zero_stage_flag_or_json_equals_stage_0(tmp_path):
             for key in keys:
                 name = key.split("/", 1)[1]
                 for stage in (1, 2, 3):
-                    torch.testing.assert_close(result[f"{run}{stage}/{name}"], result[key], rtol=1e-5, atol=1e-6,
+                    # each stage sums gradients in its own order: round-off differs by CPU (AMD EPYC: ~1e-5)
+                    torch.testing.assert_close(result[f"{run}{stage}/{name}"], result[key], rtol=1e-4, atol=1e-5,
                                                msg=f"{run}{stage}/{name}")
 
 

@@ -5,7 +5,7 @@
         manifest.json                        format version, what the run was, every file's size and CRC-32
         engine.json                          engine counters, optimizer groups, LR schedule, loss scale, client state
         model_rank00000.safetensors          tensors under global names (tensors.py), one file per writing rank
-        optimizer_rank00000.safetensors
+        optimizer_rank00000.safetensors      (and -1, -2, ... for each further 256 MiB)
         rng_rank00000.safetensors
     DIR/iter_0000010.tmp/                    a save in progress; a leftover one is removed
     DIR/iter_0000010.old/                    the earlier save of the same iteration while a new one replaces it
@@ -34,8 +34,9 @@ def tag_iteration(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_file(stem: str, rank: int) -> str:
-    return f"{stem}_rank{rank:05d}.safetensors"
+def rank_file(stem: str, rank: int, part: int = 0) -> str:
+    """A rank's file of `stem`; large state is cut into parts, `_rank00000-1.safetensors` on."""
+    return f"{stem}_rank{rank:05d}{f'-{part}' if part else ''}.safetensors"
 
 
 def rank_files(folder: Path, stem: str) -> list[Path]:
