@@ -1,27 +1,22 @@
 """The manifest: one typed, versioned file per checkpoint that says what the run was (iteration,
 consumed samples and tokens, model config, tokenizer, parallel sizes, ZeRO stage, precision) and
-lists every file of the checkpoint with its size and CRC-32.
-
-CRC-32 (zlib) because it is the fastest check in the standard library here (about 4 GB/s, against
-1.8 for SHA-256 and 0.9 for BLAKE2b), catches every single-bit flip and every burst of up to 32
-bits, and releases the GIL, so the save computes it in a thread while it writes the next file.
-It guards against damage, not against tampering.
+lists every file of the checkpoint with its size and checksum (checksum.py says which and why).
 """
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from megatron.checkpoint.durable import fsync_path
+import torch
+
+from megatron.checkpoint.checksum import bytes_checksum, file_checksum, tensors_file_checksum
 from megatron.checkpoint.layout import MANIFEST_FILE
 from megatron.errors import CheckpointError
 
 FORMAT_VERSION = 1
-_CHUNK_BYTES = 16 << 20
 
 
 class _Record(BaseModel):
@@ -30,7 +25,7 @@ class _Record(BaseModel):
 
 class FileRecord(_Record):
     size: int
-    crc32: int
+    checksum: str
 
 
 class RunRecord(_Record):
@@ -43,7 +38,7 @@ class RunRecord(_Record):
 
 
 class Manifest(_Record):
-    """`checksum` is the CRC-32 of the manifest's own JSON without it, so a flip here is caught too."""
+    """`checksum` is that of the manifest's own JSON without it, so a flip here is caught too."""
     format_version: int
     run: RunRecord | None
     world_size: int
@@ -52,20 +47,21 @@ class Manifest(_Record):
     zero_stage: int
     precision: str
     files: dict[str, FileRecord]
-    checksum: int = 0
+    checksum: str = ""
 
-    def own_checksum(self) -> int:
-        return zlib.crc32(self.model_dump_json(exclude={"checksum"}).encode())
+    def own_checksum(self) -> str:
+        return bytes_checksum(self.model_dump_json(exclude={"checksum"}).encode())
 
 
 def file_record(path: Path) -> FileRecord:
-    """Size and CRC-32 of a file, read in chunks (zlib releases the GIL on each)."""
-    crc, size = 0, 0
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return FileRecord(size=size, crc32=crc)
+    size, checksum = file_checksum(path)
+    return FileRecord(size=size, checksum=checksum)
+
+
+def tensors_record(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+    """The record of a safetensors file just written from `tensors`, without reading it back."""
+    size, checksum = tensors_file_checksum(path, tensors)
+    return FileRecord(size=size, checksum=checksum)
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
@@ -87,7 +83,7 @@ def read_manifest(folder: Path) -> Manifest | None:
         reason = str(error).splitlines()[0]
         raise CheckpointError(f"the manifest {path} is damaged ({reason})") from None
     if manifest.checksum != manifest.own_checksum():
-        raise CheckpointError(f"the manifest {path} is damaged (its own CRC-32 does not match)")
+        raise CheckpointError(f"the manifest {path} is damaged (its own checksum does not match)")
     if manifest.format_version > FORMAT_VERSION:
         raise CheckpointError(f"{path} has checkpoint format {manifest.format_version} but this version reads up to "
                               f"{FORMAT_VERSION}; load it with the newer toolkit that saved it")
@@ -102,7 +98,7 @@ def file_problem(folder: Path, name: str, expected: FileRecord) -> str | None:
     size = path.stat().st_size
     if size != expected.size:
         return f"{path} has {size:,} bytes but the manifest says {expected.size:,}"
-    if file_record(path).crc32 != expected.crc32:
-        return f"{path} fails its CRC-32 check (its data changed after the save)"
+    if file_record(path).checksum != expected.checksum:
+        return f"{path} fails its checksum (its data changed after the save)"
     return None
 

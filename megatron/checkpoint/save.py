@@ -17,7 +17,9 @@ import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,9 @@ from safetensors import SafetensorError
 
 from megatron.checkpoint.durable import fsync_path, replace_durably
 from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
-from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
+from megatron.checkpoint.manifest import (
+    FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, tensors_record, write_manifest,
+)
 from megatron.checkpoint.tensors import save_rng_state, save_tensors
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
@@ -97,21 +101,22 @@ def _parts(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 class _RankWriter:
     """Writes one rank's files into the staging folder while two threads fsync and checksum each
-    file already written; files are cut into parts so that the last one's checksum is short."""
+    file already written (a tensor file's checksum from the tensors in memory, not read back);
+    files are cut into parts so that the last one's work after its write is short."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.pool = ThreadPoolExecutor(max_workers=2)
         self.pending: dict[str, tuple[Future[None], Future[FileRecord]]] = {}
 
-    def _written(self, name: str) -> None:
+    def _written(self, name: str, record: Callable[[Path], FileRecord] = file_record) -> None:
         path = self.folder / name
-        self.pending[name] = (self.pool.submit(fsync_path, path), self.pool.submit(file_record, path))
+        self.pending[name] = (self.pool.submit(fsync_path, path), self.pool.submit(record, path))
 
     def tensors(self, stem: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
         for part, entries in enumerate(_parts(tensors) if tensors else []):
             save_tensors(self.folder / rank_file(stem, rank, part), entries)
-            self._written(rank_file(stem, rank, part))
+            self._written(rank_file(stem, rank, part), partial(tensors_record, tensors=entries))
 
     def rng(self, rank: int) -> None:
         save_rng_state(self.folder / rank_file(RNG, rank))

@@ -1,5 +1,5 @@
 """Checking a checkpoint folder before anything is read from it: its manifest, then every file's
-size and CRC-32 (the ranks share the files), agreed by all ranks. A folder saved before manifests
+size and checksum (the ranks share the files), agreed by all ranks. A folder saved before manifests
 existed is accepted as it is, with its engine.json read as carefully."""
 
 import json
