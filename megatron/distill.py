@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpoint.iterations import read_latest
+from megatron.checkpoint.layout import LATEST_FILE
 from megatron.distill_config import DistillConfig
 from megatron.errors import CheckpointError, ConfigError
 from megatron.inference.checkpoint_model import build_saved_model, checkpoint_folder, model_config_from_state, read_client_state
@@ -32,7 +33,7 @@ def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, 
     student (vocabulary, positions, expert-parallel size) before anything is built."""
     if read_latest(cfg.load_teacher)[0] is None:
         raise CheckpointError(
-            f"--load-teacher {cfg.load_teacher} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+            f"--load-teacher {cfg.load_teacher} holds no checkpoint (no {LATEST_FILE}); "
             "pass the --save directory of the teacher's training run"
         )
     folder = checkpoint_folder(cfg.load_teacher, grid)

@@ -11,7 +11,7 @@ import torch
 
 from megatron.arguments import PretrainConfig
 from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
-from megatron.checkpoint.layout import iteration_tag
+from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
@@ -113,7 +113,7 @@ class Trainer:
         starts_at_zero = self.resume_from is None or ckpt.reset_iteration
         if ckpt.save and starts_at_zero and not ckpt.overwrite_checkpoints and holds_checkpoints(ckpt.save):
             newest = max(saved_iterations(ckpt.save), default=None)
-            held = f"checkpoints up to iteration {newest}" if newest is not None else "a latest_checkpointed_iteration.txt"
+            held = f"checkpoints up to iteration {newest}" if newest is not None else f"a {LATEST_FILE}"
             raise CheckpointError(
                 f"--save {ckpt.save} already holds {held} and this run starts from iteration 0, so it would overwrite "
                 f"them; add --load {ckpt.save} to resume, or --overwrite-checkpoints to start afresh over them"

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_BLOCK_BYTES = 4096
+BLOCK_BYTES = 4096
 _CHUNK_BYTES = 64 << 20  # a multiple of the block, so chunks never split one
 _MASK = (1 << 64) - 1
 
@@ -26,11 +26,11 @@ _MASK = (1 << 64) - 1
 def block_sums(raw: np.ndarray) -> np.ndarray:
     """The sum of the 64-bit words of each 4 KiB block of the bytes `raw` (uint8), modulo 2**64,
     the last block padded with zeros."""
-    whole = raw.size // _BLOCK_BYTES * _BLOCK_BYTES
-    sums = raw[:whole].view("<u8").reshape(-1, _BLOCK_BYTES // 8).sum(axis=1, dtype=np.uint64)
+    whole = raw.size // BLOCK_BYTES * BLOCK_BYTES
+    sums = raw[:whole].view("<u8").reshape(-1, BLOCK_BYTES // 8).sum(axis=1, dtype=np.uint64)
     if whole == raw.size:
         return sums
-    tail = np.zeros(_BLOCK_BYTES, dtype=np.uint8)
+    tail = np.zeros(BLOCK_BYTES, dtype=np.uint8)
     tail[:raw.size - whole] = raw[whole:]
     return np.append(sums, tail.view("<u8").sum(dtype=np.uint64))
 
@@ -51,12 +51,12 @@ class BlockSum:
     def update(self, data: np.ndarray | memoryview | bytes) -> None:
         raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         if self.carry.size:
-            take = min(_BLOCK_BYTES - self.carry.size, raw.size)
+            take = min(BLOCK_BYTES - self.carry.size, raw.size)
             self.carry, raw = np.concatenate([self.carry, raw[:take]]), raw[take:]
-            if self.carry.size < _BLOCK_BYTES:
+            if self.carry.size < BLOCK_BYTES:
                 return
             self._add(block_sums(self.carry))
-        whole = raw.size // _BLOCK_BYTES * _BLOCK_BYTES
+        whole = raw.size // BLOCK_BYTES * BLOCK_BYTES
         if whole:
             self._add(block_sums(raw[:whole]))
         self.carry = raw[whole:].copy()

@@ -22,7 +22,7 @@ from torch import nn
 from megatron.errors import ConfigError
 from megatron.runtime.config import AioConfig, OffloadParamConfig
 from megatron.runtime.swap.folder import SwapFolder
-from megatron.runtime.swap.slots import ALIGN, IoSlot, align_down, align_up
+from megatron.runtime.swap.slots import ALIGN, IoSlot, SwapFile, align_down, align_up
 
 WHAT = "parameter partitions"
 
@@ -53,16 +53,16 @@ class ParamSwapper:
         self.swapped_numel += numel - keep
         return keep
 
-    def new_file(self, numel: int) -> str:
+    def new_file(self, numel: int) -> SwapFile:
         """A swap file of `numel` fp32 elements that reads as zeros until written."""
         if self.folder is None:
             self.folder = SwapFolder(self.offload.nvme_path, self.rank, "offload_param")
         self.folder.check_space(4 * numel, WHAT)
-        path = self.folder.file(f"params{self.files}.swp")
+        swap_file = self.folder.file(f"params{self.files}.swp", 4 * numel)
         self.files += 1
-        with open(path, "wb") as file:
+        with open(swap_file.path, "wb") as file:
             file.truncate(4 * numel)
-        return path
+        return swap_file
 
     def need_window(self, numel: int) -> None:
         """A store will read pieces of up to `numel` elements through the buffers."""
@@ -105,15 +105,15 @@ class ShardStore:
         self.resident = numel if swapper is None else swapper.take_resident(numel)
         self.memory = torch.zeros(self.resident, dtype=torch.float32, device=device)
         swapped = swapper is not None and self.resident < numel
-        self.path = swapper.new_file(ALIGN + align_up(numel) - self.resident) if swapped else None
-        if self.path is not None:
+        self.file = swapper.new_file(ALIGN + align_up(numel) - self.resident) if swapped else None
+        if self.file is not None:
             for lo, hi in pieces:
                 if hi > self.resident:
                     swapper.need_window(window_numel(lo, hi))
 
     @property
     def swapped(self) -> bool:
-        return self.path is not None
+        return self.file is not None
 
     def parameter(self) -> nn.Parameter:
         """What the optimizer holds: the master itself, or, when part of it is in a file, a
@@ -143,7 +143,7 @@ class ShardStore:
         if lo < self.resident:
             slot.buffer[lo - base:self.resident - base] = self.memory[lo:]
         blocks, byte_offset = self._file_part(lo, hi, slot)
-        slot.start_read(blocks, self.path, byte_offset)
+        slot.start_read(blocks, self.file, byte_offset)
         return slot.buffer[lo - base:hi - base]
 
     @torch.no_grad()
@@ -162,7 +162,7 @@ class ShardStore:
             slot.finish_read()
             window.copy_(values)
             blocks, byte_offset = self._file_part(lo, hi, slot)
-            slot.start_write(blocks, self.path, byte_offset)
+            slot.start_write(blocks, self.file, byte_offset)
             slot.finish_write()
         finally:
             self.swapper.release(slot)

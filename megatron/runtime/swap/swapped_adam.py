@@ -3,8 +3,9 @@ optimizer offload). Each parameter (under ZeRO, a flat master shard) is cut into
 most `sub_group_size` elements; a sub-group's two moments are one file, `p<P>_s<S>.swp`. The step
 walks the sub-groups in order through a ring of locked, aligned buffers: read the moments, run the
 Adam kernel on them and the parameter's slice, write them back. With `pipeline_read` the read of
-sub-group i+1 runs during the step of i; with `pipeline_write` the write of i-1 does too. Each
-buffer has its own read and write handle, so waiting for one transfer never waits for another.
+sub-group i+1 starts as soon as i has landed and runs during i's checksum check (slots.SwapFile)
+and step; with `pipeline_write` the write of i-1 does too. Each buffer has its own read and write
+handle, so waiting for one transfer never waits for another.
 With NVMe parameter offload the fp32 master of a ZeRO-3 shard is swapped too (a ShardStore): its
 sub-groups are cut at the store's resident boundary, and a swapped sub-group's values travel
 with its moments through the same buffer.
@@ -15,6 +16,7 @@ elements happens only where it happens for the whole tensor.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from megatron.runtime.config import AioConfig, OffloadOptimizerConfig
 from megatron.runtime.optim.cpu_adam import _TORCH_SCALAR_TAIL, CPUAdam
 from megatron.runtime.swap.folder import SwapFolder
 from megatron.runtime.swap.param_store import ShardStore
-from megatron.runtime.swap.slots import ALIGN, IoSlot, align_up
+from megatron.runtime.swap.slots import ALIGN, IoSlot, SwapFile, align_up
 
 WHAT = "optimizer state"
 
@@ -34,7 +36,7 @@ class SubGroup:
     param_index: int
     lo: int
     hi: int
-    file: str  # the two moments
+    file: SwapFile  # the two moments
     store: ShardStore | None  # where the parameter's values live when a ZeRO-3 master is swapped
 
     @property
@@ -62,7 +64,7 @@ class SwappedAdam(CPUAdam):
         self.offload, self.aio, self.rank = offload, aio, rank
         self.sub_group_size = max(ALIGN, sub_group_size // ALIGN * ALIGN)
         self.sub_groups: dict[torch.Tensor, list[SubGroup]] = {}
-        self.written: set[str] = set()  # files that hold moments (fast_init: the others read as zeros)
+        self.written: set[SwapFile] = set()  # files that hold moments (fast_init: the others read as zeros)
         self.slots: list[IoSlot] = []
         self.values_at = 0  # where a swapped sub-group's parameter values sit in a buffer
         self.folder: SwapFolder | None = None
@@ -78,7 +80,7 @@ class SwappedAdam(CPUAdam):
             store = stores.get(param)
             bounds = self._bounds(param.numel(), store.resident if store is not None else param.numel())
             self.sub_groups[param] = [
-                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp"), store)
+                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp", 8 * (hi - lo)), store)
                 for number, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
             ]
         sub_groups = [g for groups in self.sub_groups.values() for g in groups]
@@ -92,7 +94,7 @@ class SwappedAdam(CPUAdam):
             zeros = self.slots[0].buffer
             zeros.zero_()
             for sub_group in sub_groups:
-                self.slots[0].transfer(self.slots[0].writer.sync_pwrite, zeros[:2 * (sub_group.hi - sub_group.lo)], sub_group.file)
+                self.slots[0].write(zeros[:2 * (sub_group.hi - sub_group.lo)], sub_group.file)
                 self.written.add(sub_group.file)
 
     def _bounds(self, numel: int, resident: int) -> list[int]:
@@ -109,7 +111,7 @@ class SwappedAdam(CPUAdam):
         else:
             moments.zero_()
         if sub_group.swapped:
-            slot.start_read(self._values(slot, sub_group), sub_group.store.path, sub_group.store.byte_offset(sub_group.lo))
+            slot.start_read(self._values(slot, sub_group), sub_group.store.file, sub_group.store.byte_offset(sub_group.lo))
 
     def _values(self, slot: IoSlot, sub_group: SubGroup) -> torch.Tensor:
         """The buffer's room for a swapped sub-group's parameter values, whole 4 KiB blocks."""
@@ -136,9 +138,10 @@ class SwappedAdam(CPUAdam):
             slot = self.slots[i % ring]
             if i == 0 or not self.offload.pipeline_read:
                 self._start_read(slot, sub_group)
-            slot.finish_read()
+            read_next = None
             if self.offload.pipeline_read and i + 1 < len(tasks):
-                self._start_read(self.slots[(i + 1) % ring], tasks[i + 1][2])
+                read_next = partial(self._start_read, self.slots[(i + 1) % ring], tasks[i + 1][2])
+            slot.finish_read(before_check=read_next)
             numel = sub_group.hi - sub_group.lo
             element = param.element_size()
             self._extension.adam_step(
@@ -150,7 +153,7 @@ class SwappedAdam(CPUAdam):
             )
             slot.start_write(slot.buffer[:2 * numel], sub_group.file)
             if sub_group.swapped:
-                slot.start_write(self._values(slot, sub_group), sub_group.store.path, sub_group.store.byte_offset(sub_group.lo))
+                slot.start_write(self._values(slot, sub_group), sub_group.store.file, sub_group.store.byte_offset(sub_group.lo))
             self.written.add(sub_group.file)
             if not self.offload.pipeline_write:
                 slot.finish_write()
@@ -188,5 +191,5 @@ class SwappedAdam(CPUAdam):
                 slot.finish_write()
                 slot.buffer[:numel] = exp_avg[sub_group.lo:sub_group.hi]
                 slot.buffer[numel:2 * numel] = exp_avg_sq[sub_group.lo:sub_group.hi]
-                slot.transfer(slot.writer.sync_pwrite, slot.buffer[:2 * numel], sub_group.file)
+                slot.write(slot.buffer[:2 * numel], sub_group.file)
                 self.written.add(sub_group.file)
