@@ -1,6 +1,7 @@
 """This rank's experts as stacked weights, run with grouped GEMMs.
 
-Legend: E_l local experts, H hidden, F expert ffn hidden, N routed rows (sorted by expert).
+Legend: E_l local experts, H hidden, F expert ffn hidden, N routed rows (sorted by expert),
+P rows after padding on the CPU (see `padded_rows`).
 """
 
 import torch
@@ -45,5 +46,32 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(x_NH.device.type):  # grouped GEMMs are not on autocast's list
             dtype = torch.get_autocast_dtype(x_NH.device.type)
             x_NH, w1, b1, w2, b2 = (t.to(dtype) for t in (x_NH, w1, b1, w2, b2))
-        return grouped_linear(F.gelu(grouped_linear(x_NH, w1, b1, counts_El)), w2, b2, counts_El)
+        rows = x_NH.shape[0]
+        if x_NH.device.type == "cpu":
+            x_NH, counts_El = pad_last_group(x_NH, counts_El, padded_rows(rows))
+        return grouped_linear(F.gelu(grouped_linear(x_NH, w1, b1, counts_El)), w2, b2, counts_El)[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up to one of 8 sizes per power of two (at most 1/8 more rows).
+
+    The number of routed rows changes from step to step. On the CPU, torch runs GELU (forward and
+    backward) through oneDNN, which compiles and caches a kernel for every new input shape; each
+    leaves many small long-lived allocations in the holes that freed activations leave in glibc's
+    heap, so those holes can no longer hold the next step's large tensors nor go back to the
+    system, and the process grows by megabytes per step for hundreds of steps
+    (benchmarks/memory.py). With few sizes, the kernels are all compiled in the first steps."""
+    step = 1 << max(rows.bit_length() - 4, 0)
+    return -(-rows // step) * step
+
+
+def pad_last_group(x_NH: torch.Tensor, counts_El: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero rows appended to the last expert's group up to `rows` [P, H]: their outputs are cut
+    off after the experts, so they add nothing to any gradient."""
+    pad = rows - x_NH.shape[0]
+    if pad == 0:
+        return x_NH, counts_El
+    counts_El = counts_El.clone()
+    counts_El[-1] += pad
+    return F.pad(x_NH, (0, 0, 0, pad)), counts_El
 
