@@ -47,13 +47,9 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Split seq+1 tokens into inputs and shifted labels, with the loss mask."""
-    if int(text.max()) >= vocab_size:
-        raise DataError(
-            f"the data holds token id {int(text.max())} but the model's vocabulary has {vocab_size} entries; "
-            "preprocess the data with the same tokenizer flags as training"
-        )
+def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    """Split seq+1 tokens into inputs and shifted labels, with the loss mask (the datasets have
+    checked every id against the vocabulary as they read the sample)."""
     text = text.to(device, non_blocking=True)
     tokens, labels = text[:, :-1], text[:, 1:]
     loss_mask = (tokens != eod).float() if eod_mask_loss else torch.ones_like(labels, dtype=torch.float32)
@@ -197,8 +193,7 @@ class Trainer:
         return iter(loader)
 
     def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return gpt_batch(next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss,
-                         self.model_config.vocab_size, self.grid.device)
+        return gpt_batch(next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device)
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.clone()
@@ -240,15 +235,16 @@ class Trainer:
         return self._dp_mean(total / steps)
 
     def _save(self, result: TrainResult) -> None:
+        model_config = asdict(self.model_config)
         client = {
             "iteration": self.iteration, "consumed_samples": self.consumed_samples,
-            "model_config": asdict(self.model_config), "flags": self.config.flags,
+            "model_config": model_config, "flags": self.config.flags,
         }
         data = self.config.data
         run = RunRecord(
             iteration=self.iteration, consumed_samples=self.consumed_samples,
             consumed_tokens=self.consumed_samples * self.config.training.seq_length,
-            model=asdict(self.model_config),
+            model=model_config,
             tokenizer={"type": data.tokenizer_type, "model": data.tokenizer_model, "vocab_file": data.vocab_file,
                        "merge_file": data.merge_file, "vocab_size": self.tokenizer.vocab_size},
         )

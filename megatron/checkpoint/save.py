@@ -72,7 +72,7 @@ def _refuse_nonfinite(state: EngineState, final: Path) -> None:
 
 
 def _bytes_needed(state: EngineState) -> int:
-    local = sum(t.numel() * t.element_size() for part in (state.model, state.optimizer) for t in part.values())
+    local = sum(t.nbytes for part in (state.model, state.optimizer) for t in part.values())
     files = 4 + local // _PART_BYTES
     return sum(state.grid.gather_from_all(local + files * _FILE_OVERHEAD_BYTES))
 
@@ -87,15 +87,14 @@ def _refuse_full_disk(needed: int, free: int, final: Path) -> None:
 
 def _parts(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Entries packed into files of about _PART_BYTES each (a larger tensor gets one of its own)."""
-    parts: list[dict[str, torch.Tensor]] = [{}]
+    parts: list[dict[str, torch.Tensor]] = []
     size = 0
     for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if parts[-1] and size + nbytes > _PART_BYTES:
+        if not parts or size + tensor.nbytes > _PART_BYTES:
             parts.append({})
             size = 0
         parts[-1][name] = tensor
-        size += nbytes
+        size += tensor.nbytes
     return parts
 
 
@@ -114,7 +113,7 @@ class _RankWriter:
         self.pending[name] = (self.pool.submit(fsync_path, path), self.pool.submit(record, path))
 
     def tensors(self, stem: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
-        for part, entries in enumerate(_parts(tensors) if tensors else []):
+        for part, entries in enumerate(_parts(tensors)):
             save_tensors(self.folder / rank_file(stem, rank, part), entries)
             self._written(rank_file(stem, rank, part), partial(tensors_record, tensors=entries))
 

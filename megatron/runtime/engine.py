@@ -92,7 +92,6 @@ def build_optimizer(
 @dataclass(frozen=True)
 class NonFiniteStep:
     """An optimizer step whose loss or gradients held a NaN or an infinity, and on which ranks."""
-    step: int
     loss_ranks: list[int]
     grad_ranks: list[int]
 
@@ -266,7 +265,7 @@ class Engine:
         loss_ranks, grad_ranks = (torch.nonzero(flags[k::2]).flatten().tolist() for k in (0, 1))
         if not norm_finite and not grad_ranks:  # finite shares whose squares overflow together
             grad_ranks = list(range(world))
-        return NonFiniteStep(self.global_steps + 1, loss_ranks, grad_ranks) if loss_ranks or grad_ranks else None
+        return NonFiniteStep(loss_ranks, grad_ranks) if loss_ranks or grad_ranks else None
 
     def _reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sum gradients over their data-parallel groups; return the (dense, expert) gradients

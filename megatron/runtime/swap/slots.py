@@ -77,7 +77,7 @@ class SwapFile:
         first = byte_offset // BLOCK_BYTES
         damaged = np.count_nonzero(sums != self.sums[first:first + sums.size])
         if damaged:
-            end = byte_offset + data.numel() * data.element_size()
+            end = byte_offset + data.nbytes
             raise SwapError(
                 f"the swap disk returned damaged data for {what} in {self.path}, bytes {byte_offset:,}-{end:,} "
                 f"({damaged} of its {sums.size} 4 KiB blocks differ from what was written); training stopped and the "
