@@ -17,7 +17,7 @@ import torch
 
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
-from megatron.distill_config import DistillConfig
+from megatron.config.distill_flags import DistillConfig
 from megatron.errors import CheckpointError, ConfigError
 from megatron.inference.checkpoint_model import build_saved_model, checkpoint_folder, model_config_from_state, read_client_state
 from megatron.inference.mode import inference_config

@@ -12,7 +12,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from megatron.arguments import ExitConfig
+from megatron.config.flags import ExitConfig
 from megatron.parallel import ParallelGrid
 
 

@@ -1,7 +1,7 @@
 """`pretrain_gpt.py` / `megatron-pretrain-gpt`: parse flags, build the rank grid, train (or, with
 --dry-run, check the flags and print the model's size without building it)."""
 
-from megatron.arguments import parse_args, with_data_parallel_size
+from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.entry_point import run_entry_point
 from megatron.model_size import dry_run
 from megatron.parallel import build_parallel_grid, launched_world_size

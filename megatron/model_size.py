@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron.arguments import PretrainConfig, build_parser, model_config_from_args
+from megatron.config.flags import PretrainConfig, build_parser, model_config_from_args
 from megatron.data.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, DataError

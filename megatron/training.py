@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from megatron.arguments import PretrainConfig
+from megatron.config.flags import PretrainConfig
 from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
 from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord

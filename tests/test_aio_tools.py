@@ -9,7 +9,7 @@ import torch
 
 from megatron.errors import UserError
 from megatron.ops import io_bench, nvme_tune
-from megatron.runtime.config import validate_runtime_config
+from megatron.config.runtime_schema import validate_runtime_config
 
 
 def _op_built() -> bool:

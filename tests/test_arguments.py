@@ -1,6 +1,6 @@
 import pytest
 
-from megatron.arguments import parse_args, with_data_parallel_size
+from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
 
 BASE = (

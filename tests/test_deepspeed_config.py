@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from megatron.arguments import parse_args, with_data_parallel_size
+from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
 from megatron.parallel import single_process_grid
 from megatron.runtime.deepspeed_schedules import WarmupLR

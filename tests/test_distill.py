@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.arguments import parse_args
+from megatron.config.flags import parse_args
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError, ConfigError
 from megatron.losses import kd_divergence_BS, masked_mean

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.arguments import build_parser, model_config_from_args
+from megatron.config.flags import build_parser, model_config_from_args
 from megatron.model_size import model_size, rank_memory, valid_ep_sizes
 from megatron.model_size import main as model_size_main
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.arguments import parse_args, with_data_parallel_size
+from megatron.config.flags import parse_args, with_data_parallel_size
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples_deepspeed" / "MoE"
 PAPER = {

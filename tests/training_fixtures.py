@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.arguments import PretrainConfig, parse_args, with_data_parallel_size
+from megatron.config.flags import PretrainConfig, parse_args, with_data_parallel_size
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 
 VOCAB = 60

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
-from megatron.runtime.config import RuntimeConfig, load_runtime_config
+from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.runtime.monitor import EngineMonitor

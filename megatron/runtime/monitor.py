@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.runtime.config import RuntimeConfig
+from megatron.config.runtime_schema import RuntimeConfig
 
 PHASES = ("forward", "backward", "step")
 

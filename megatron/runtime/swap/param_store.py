@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megatron.errors import ConfigError
-from megatron.runtime.config import AioConfig, OffloadParamConfig
+from megatron.config.runtime_schema import AioConfig, OffloadParamConfig
 from megatron.runtime.swap.folder import SwapFolder
 from megatron.runtime.swap.slots import ALIGN, IoSlot, SwapFile, align_down, align_up
 

@@ -28,7 +28,7 @@ import torch
 from megatron.checkpoint.checksum import BLOCK_BYTES, block_sums
 from megatron.errors import UserError
 from megatron.ops.aio import aio_handle
-from megatron.runtime.config import AioConfig
+from megatron.config.runtime_schema import AioConfig
 
 ALIGN = 1024  # elements: 4 KiB of fp32, O_DIRECT's alignment
 

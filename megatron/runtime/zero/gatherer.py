@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from megatron.runtime.config import ZeroConfig
+from megatron.config.runtime_schema import ZeroConfig
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 from megatron.runtime.zero.param_partition import ParamPartition
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.runtime.config import AioConfig, ZeroConfig
+from megatron.config.runtime_schema import AioConfig, ZeroConfig
 from megatron.checkpoint.tensors import expert_ids
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.gatherer import ParameterGatherer

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.runtime.config import read_config_file, validate_runtime_config
+from megatron.config.runtime_schema import read_config_file, validate_runtime_config
 
 # (path in the JSON, flag destination, JSON value -> flag value)
 KEYS_TO_FLAGS: list[tuple[tuple[str, ...], str, Callable[[Any], Any]]] = [

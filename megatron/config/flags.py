@@ -9,12 +9,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.deepspeed_config import explicit_flags, merge_deepspeed_config
-from megatron.distill_config import DistillConfig, add_distill_args, distill_config_from_args
+from megatron.config.deepspeed_json import explicit_flags, merge_deepspeed_config
+from megatron.config.distill_flags import DistillConfig, add_distill_args, distill_config_from_args
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
-from megatron.runtime.config import RuntimeConfig, resolve_batch_sizes, validate_runtime_config
+from megatron.config.runtime_schema import RuntimeConfig, resolve_batch_sizes, validate_runtime_config
 
 
 @dataclass(frozen=True)
