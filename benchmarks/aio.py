@@ -79,7 +79,7 @@ def tuned_settings(args: argparse.Namespace, folder: Path) -> AioSettings:
     sweep = folder / "tune_sweep.json"
     sweep.write_text(json.dumps(TUNE_SWEEP))
     print(f"tuning on {folder} with io_size {args.tune_size}", flush=True)
-    summary = nvme_tune.main(["--nvme_dir", str(folder), "--sweep_config", str(sweep), "--io_size", args.tune_size,
+    summary = nvme_tune.run(["--nvme_dir", str(folder), "--sweep_config", str(sweep), "--io_size", args.tune_size,
                               "--loops", "1", "--flush_page_cache"])
     sweep.unlink()
     return AioSettings(**summary["aio"])

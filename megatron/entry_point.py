@@ -32,6 +32,9 @@ def run_entry_point(body: Callable[[], T]) -> T:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except BrokenPipeError:  # the reader went away (`tool | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

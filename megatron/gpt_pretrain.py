@@ -17,5 +17,6 @@ def _pretrain(argv: list[str] | None) -> TrainResult | None:
     return pretrain(with_data_parallel_size(config, grid.dp_size), grid)
 
 
-def main(argv: list[str] | None = None) -> TrainResult | None:
-    return run_entry_point(lambda: _pretrain(argv))
+def main(argv: list[str] | None = None) -> None:
+    """The console script's entry: its return value becomes the exit status, so it returns None."""
+    run_entry_point(lambda: _pretrain(argv))

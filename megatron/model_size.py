@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron.config.flags import PretrainConfig, build_parser, model_config_from_args
+from megatron.config.parser import positive_int
 from megatron.data.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, DataError
@@ -26,6 +27,12 @@ from megatron.checkpoint.tensors import expert_ids
 
 GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)
+GPT2_VOCAB = 50257  # the vocabulary of GPT2BPETokenizer, the default --tokenizer-type
+DESCRIPTION = ("Size a GPT model from pretrain_gpt.py's model flags without building it or reading any data: "
+               "total and active parameters, training FLOPs per token, and memory per rank for weights, "
+               "gradients and optimizer state under each ZeRO stage and expert-parallel size. The vocabulary "
+               "is --padded-vocab-size, or --vocab-size padded to --make-vocab-size-divisible-by, or read from the "
+               f"tokenizer files given, or else GPT-2's {GPT2_VOCAB:,} tokens.")
 
 
 @dataclass(frozen=True)
@@ -94,17 +101,27 @@ def sizing_vocab(flags: dict[str, Any]) -> int:
     return padded_vocab_size(raw, flags["make_vocab_size_divisible_by"])
 
 
+def with_scale(n: float) -> str:
+    """1234567890 -> '1,234,567,890 (1.23B)': the exact number, then three digits to read at a glance."""
+    rounded = float(f"{n:.3g}")  # scale after rounding, so that 999,999,999 reads 1B and not 1e+03M
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if rounded >= scale:
+            return f"{n:,.0f} ({rounded / scale:g}{suffix})"
+    return f"{n:,.0f}"
+
+
 def size_report(config: GPTConfig, seq_length: int, world_size: int, chosen_ep: int | None = None) -> list[str]:
     """The lines `pretrain_gpt.py --dry-run` and tools/model_size.py print."""
     size = model_size(config, seq_length)
     lines = [
         f"model: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
-        f"sequence {seq_length}, vocabulary {config.vocab_size} (padded), experts per layer {config.experts_per_layer}"
+        f"sequence {seq_length:,}, vocabulary {config.vocab_size:,} (padded), "
+        f"experts per layer {config.experts_per_layer}"
         + (f", residual (PR-MoE), top-{config.moe.topk}" if config.mlp_type == "residual" else
            f", top-{config.moe.topk}" if config.is_moe else ""),
-        f"total parameters: {size.total}",
-        f"active parameters per token: {size.active}",
-        f"training FLOPs per token: {size.flops_per_token:.4g} (forward + backward, active parameters only)",
+        f"total parameters: {with_scale(size.total)}",
+        f"active parameters per token: {with_scale(size.active)}",
+        f"training FLOPs per token: {with_scale(size.flops_per_token)}, forward + backward over the active parameters",
         f"memory per rank in GiB on {world_size} rank(s): fp32 weights and gradients, Adam moments "
         "(+ fp32 master partition under ZeRO); activations not included; * this run's EP size",
         f"{'EP size':>8} {'ZeRO':>5} {'weights':>10} {'gradients':>10} {'optimizer':>10} {'total':>10}",
@@ -126,15 +143,31 @@ def dry_run(config: PretrainConfig, world: int) -> None:
               flush=True)
 
 
+def tool_vocab(args: argparse.Namespace) -> tuple[int, str | None]:
+    """tools/model_size.py's padded vocabulary, and a note when it is GPT-2's by default (no tokenizer needed)."""
+    if args.padded_vocab_size is not None:
+        if args.vocab_size is not None:
+            raise ConfigError("--vocab-size and --padded-vocab-size both given: give one of them")
+        return args.padded_vocab_size, None
+    if args.vocab_size is None and args.vocab_file is None and args.tokenizer_model is None:
+        padded = padded_vocab_size(GPT2_VOCAB, args.make_vocab_size_divisible_by)
+        return padded, (f"note: no --vocab-size, --padded-vocab-size or tokenizer file given: sizing with GPT-2's "
+                        f"vocabulary of {GPT2_VOCAB:,} tokens (padded to {padded:,})")
+    return sizing_vocab(vars(args)), None
+
+
 def _size(argv: list[str] | None) -> None:
     parser = build_parser(sizing=True)
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
-                        help="ranks to size the memory for (default: WORLD_SIZE or 1)")
+    parser.prog, parser.description = "tools/model_size.py", DESCRIPTION  # build_parser's are pretrain_gpt.py's
+    parser.add_argument("--padded-vocab-size", type=positive_int, default=None,
+                        help="the embedding's row count as is, with no padding added (what a checkpoint holds)")
+    parser.add_argument("--world-size", type=positive_int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                        help="ranks to size the memory for: WORLD_SIZE where set")
     args: argparse.Namespace = parser.parse_args(argv)
-    if args.world_size < 1:
-        raise ConfigError(f"--world-size must be positive, got {args.world_size}")
-    model = replace(model_config_from_args(args), vocab_size=sizing_vocab(vars(args)))
-    print("\n".join(size_report(model, args.seq_length, args.world_size, args.moe_expert_parallel_size)), flush=True)
+    vocab, note = tool_vocab(args)
+    model = replace(model_config_from_args(args), vocab_size=vocab)
+    lines = size_report(model, args.seq_length, args.world_size, args.moe_expert_parallel_size)
+    print("\n".join([note, *lines] if note else lines), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

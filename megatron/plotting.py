@@ -1,24 +1,58 @@
-"""Plots as PNG files with numpy alone (no plotting library): lines on an RGB canvas, a 3x5 pixel
-font for numbers, a small line chart, and an 8-bit RGB PNG writer.
+"""Plots as PNG files with numpy alone (no plotting library, and no font file): lines on an RGB
+canvas, a 3x5 pixel font (digits, capital letters, a little punctuation), a line chart with axis
+titles, tick labels and a legend row, and an 8-bit RGB PNG writer.
 """
 
 import itertools
+import math
 import struct
 import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 Color = tuple[int, int, int]
 BLACK: Color = (0, 0, 0)
-# 3x5 glyphs, one row of three bits per string, for axis labels and legend numbers
+BACKGROUND: Color = (255, 255, 255)
+# 3x5 glyphs, one row of three bits per string; text is drawn in capitals
 GLYPHS = {
     "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
     "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
     "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
     "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
     "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
+    "A": ("010", "101", "111", "101", "101"), "B": ("110", "101", "110", "101", "110"),
+    "C": ("011", "100", "100", "100", "011"), "D": ("110", "101", "101", "101", "110"),
+    "E": ("111", "100", "110", "100", "111"), "F": ("111", "100", "110", "100", "100"),
+    "G": ("011", "100", "101", "101", "011"), "H": ("101", "101", "111", "101", "101"),
+    "I": ("111", "010", "010", "010", "111"), "J": ("001", "001", "001", "101", "010"),
+    "K": ("101", "101", "110", "101", "101"), "L": ("100", "100", "100", "100", "111"),
+    "M": ("101", "111", "111", "101", "101"), "N": ("110", "101", "101", "101", "101"),
+    "O": ("010", "101", "101", "101", "010"), "P": ("110", "101", "110", "100", "100"),
+    "Q": ("010", "101", "101", "110", "011"), "R": ("110", "101", "110", "101", "101"),
+    "S": ("011", "100", "010", "001", "110"), "T": ("111", "010", "010", "010", "010"),
+    "U": ("101", "101", "101", "101", "111"), "V": ("101", "101", "101", "101", "010"),
+    "W": ("101", "101", "111", "111", "101"), "X": ("101", "101", "010", "101", "101"),
+    "Y": ("101", "101", "010", "010", "010"), "Z": ("111", "001", "010", "100", "111"),
     ".": ("000", "000", "000", "000", "010"), "-": ("000", "000", "111", "000", "000"),
+    "+": ("000", "010", "111", "010", "000"), "=": ("000", "111", "000", "111", "000"),
+    "(": ("010", "100", "100", "100", "010"), ")": ("010", "001", "001", "001", "010"),
+    ",": ("000", "000", "000", "010", "100"), ":": ("000", "010", "000", "010", "000"),
+    "/": ("001", "001", "010", "100", "100"), "%": ("101", "001", "010", "100", "101"),
+    "_": ("000", "000", "000", "000", "111"), " ": ("000",) * 5,
 }
+# the chart's margins around the plot box: y tick labels and title on the left, x tick labels
+# and title below, the legend row above
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 100, 20, 40, 60
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A vertical line at `x` across the plot box, named in the legend row."""
+    x: float
+    color: Color
+    label: str
 
 
 def draw_line(image: np.ndarray, x0: float, y0: float, x1: float, y1: float, color: Color) -> None:
@@ -28,47 +62,106 @@ def draw_line(image: np.ndarray, x0: float, y0: float, x1: float, y1: float, col
     image[ys, xs] = color
 
 
+def text_mask(text: str, scale: int = 2) -> np.ndarray:
+    """Pixels of `text` in capitals, one pixel column between glyphs; a character without a
+    glyph is drawn as a filled box, so a missing glyph shows instead of leaving a silent gap."""
+    cells = [GLYPHS.get(char, ("111",) * 5) for char in text.upper()]
+    bits = np.zeros((5, max(4 * len(cells) - 1, 0)), dtype=bool)
+    for i, glyph in enumerate(cells):
+        bits[:, 4 * i:4 * i + 3] = [[bit == "1" for bit in row] for row in glyph]
+    return bits.repeat(scale, axis=0).repeat(scale, axis=1)
+
+
+def paste(image: np.ndarray, mask: np.ndarray, x: int, y: int, color: Color) -> None:
+    """Colour the pixels of `mask` with its top-left corner at (x, y), clipped to the image."""
+    top, left = max(y, 0), max(x, 0)
+    bottom, right = min(y + mask.shape[0], image.shape[0]), min(x + mask.shape[1], image.shape[1])
+    if bottom > top and right > left:
+        image[top:bottom, left:right][mask[top - y:bottom - y, left - x:right - x]] = color
+
+
 def draw_text(image: np.ndarray, x: int, y: int, text: str, color: Color = BLACK, scale: int = 2) -> None:
-    """Digits, '.' and '-' with their top-left corner at (x, y); other characters leave a gap."""
-    for i, char in enumerate(text):
-        for row, bits in enumerate(GLYPHS.get(char, ("000",) * 5)):
-            for col, bit in enumerate(bits):
-                if bit == "1":
-                    top, left = y + row * scale, x + (4 * i + col) * scale
-                    image[max(top, 0):top + scale, max(left, 0):left + scale] = color
+    """`text` with its top-left corner at (x, y)."""
+    paste(image, text_mask(text, scale), x, y, color)
 
 
-def line_chart(curves: list[tuple[list[tuple[float, float]], Color]], width: int = 800, height: int = 500) -> np.ndarray:
-    """Curves of (x, y) points on shared linear axes, five labelled ticks on each, and a legend
-    numbering the curves 1, 2, ... in their colours (the caption says what each number is)."""
-    image = np.full((height, width, 3), 255, dtype=np.uint8)
-    left, right, top, bottom = 70, width - 130, 20, height - 40
-    xs = [x for points, _ in curves for x, _ in points]
-    ys = [y for points, _ in curves for _, y in points]
-    lo_x, hi_x = min(xs), max(max(xs), min(xs) + 1e-9)
-    lo_y, hi_y = min(ys), max(max(ys), min(ys) + 1e-9)
+def plot_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, right, top, bottom) pixel bounds of a chart's plot area."""
+    return MARGIN_LEFT, width - MARGIN_RIGHT, MARGIN_TOP, height - MARGIN_BOTTOM
 
-    def to_px(x: float, y: float) -> tuple[float, float]:
-        return (left + (x - lo_x) / (hi_x - lo_x) * (right - left),
-                bottom - (y - lo_y) / (hi_y - lo_y) * (bottom - top))
+
+def tick_label(value: float, log: bool = False) -> str:
+    if log:  # one significant digit: the ticks are 1, 2 or 5 times a power of ten
+        return f"{value:.0e}"
+    if value == int(value) and abs(value) < 1e6:
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Decades inside [lo, hi]; over a shorter span 1-2-5 steps, then every digit, so that at
+    least two ticks carry a label."""
+    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    for mantissas in ((1,), (1, 2, 5), range(1, 10)):
+        ticks = [m * 10.0**d for d in decades for m in mantissas if lo <= m * 10.0**d <= hi]
+        if len(ticks) >= 2:
+            return ticks
+    return [lo, hi]
+
+
+def line_chart(curves: list[tuple[list[tuple[float, float]], Color]], width: int = 800, height: int = 500, *,
+               x_title: str = "", y_title: str = "", log_x: bool = False, y_range: tuple[float, float] | None = None,
+               marks: Sequence[Mark] = ()) -> np.ndarray:
+    """Curves of (x, y) points on shared axes (x linear or log10), five labelled ticks on y,
+    labelled ticks on x, axis titles, and a legend row above the plot: the curves numbered 1, 2, ...
+    in their colours when there are several (the caption says what each number is), then the marks.
+    Points outside `y_range` are drawn at its edge; non-finite points break the curve."""
+    image = np.full((height, width, 3), BACKGROUND, dtype=np.uint8)
+    left, right, top, bottom = plot_box(width, height)
+    finite = [(x, y) for points, _ in curves for x, y in points if math.isfinite(y)]
+    xs, ys = [x for x, _ in finite], [y for _, y in finite]
+    scale_x = math.log10 if log_x else float
+    lo_x, hi_x = scale_x(min(xs)), scale_x(max(xs))
+    hi_x = max(hi_x, lo_x + 1e-9)
+    lo_y, hi_y = y_range or (min(ys), max(ys))
+    hi_y = max(hi_y, lo_y + 1e-9)
+
+    def px(x: float) -> float:
+        return left + (scale_x(x) - lo_x) / (hi_x - lo_x) * (right - left)
+
+    def py(y: float) -> float:
+        return bottom - (min(max(y, lo_y), hi_y) - lo_y) / (hi_y - lo_y) * (bottom - top)
 
     draw_line(image, left, bottom, right, bottom, BLACK)
     draw_line(image, left, top, left, bottom, BLACK)
-    for i in range(5):
-        x_value, y_value = lo_x + i * (hi_x - lo_x) / 4, lo_y + i * (hi_y - lo_y) / 4
-        x, _ = to_px(x_value, lo_y)
-        _, y = to_px(lo_x, y_value)
-        draw_line(image, x, bottom, x, bottom + 6, BLACK)
-        draw_text(image, int(x) - 12, bottom + 12, f"{x_value:.0f}")
-        draw_line(image, left - 6, y, left, y, BLACK)
-        draw_text(image, 8, int(y) - 5, f"{y_value:.2f}")
-    for number, (points, color) in enumerate(curves, start=1):
-        for (x0, y0), (x1, y1) in itertools.pairwise([to_px(x, y) for x, y in points]):
-            for offset in (0, 1):  # two pixels wide, so the colours stay distinguishable
-                draw_line(image, x0, y0 + offset, x1, y1 + offset, color)
-        legend_y = top + 20 * number
-        image[legend_y - 2:legend_y + 2, right + 20:right + 60] = color
-        draw_text(image, right + 70, legend_y - 5, str(number))
+    x_ticks = log_ticks(10**lo_x, 10**hi_x) if log_x else [lo_x + i * (hi_x - lo_x) / 4 for i in range(5)]
+    for value in x_ticks:
+        draw_line(image, px(value), bottom, px(value), bottom + 6, BLACK)
+        label = text_mask(tick_label(value, log_x))
+        paste(image, label, int(px(value)) - label.shape[1] // 2, bottom + 12, BLACK)
+    for value in (lo_y + i * (hi_y - lo_y) / 4 for i in range(5)):
+        draw_line(image, left - 6, py(value), left, py(value), BLACK)
+        label = text_mask(tick_label(value))
+        paste(image, label, left - 10 - label.shape[1], int(py(value)) - label.shape[0] // 2, BLACK)
+    title = text_mask(x_title)
+    paste(image, title, (left + right - title.shape[1]) // 2, bottom + 36, BLACK)
+    title = np.rot90(text_mask(y_title))  # read from bottom to top
+    paste(image, title, 6, (top + bottom - title.shape[0]) // 2, BLACK)
+    for points, color in curves:
+        runs = itertools.groupby(points, key=lambda point: math.isfinite(point[1]))
+        for run in (list(run) for ok, run in runs if ok):
+            for (x0, y0), (x1, y1) in itertools.pairwise(run):
+                for offset in (0, 1):  # two pixels wide, so the colours stay distinguishable
+                    draw_line(image, px(x0), py(y0) + offset, px(x1), py(y1) + offset, color)
+    for mark in marks:
+        if lo_x <= scale_x(mark.x) <= hi_x:
+            draw_line(image, px(mark.x), top, px(mark.x), bottom, mark.color)
+    legend = [(str(number), color) for number, (_, color) in enumerate(curves, start=1)] if len(curves) > 1 else []
+    x = left
+    for label, color in legend + [(mark.label, mark.color) for mark in marks]:
+        image[top - 22:top - 18, x:x + 24] = color
+        draw_text(image, x + 30, top - 25, label)
+        x += 30 + text_mask(label).shape[1] + 24
     return image
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from megatron.config.flags import PretrainConfig
+from megatron.config.runtime_schema import RuntimeConfig
 from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
 from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord
@@ -62,11 +63,24 @@ def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tenso
     return masked_mean(losses_BS, batch["loss_mask"]), router_loss
 
 
+def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
+    """The settings that decide a run's memory and speed, for the log's first line."""
+    zero = runtime.zero_optimization
+    precision = "fp16" if runtime.fp16.enabled else "bf16" if runtime.bf16.enabled else "fp32"
+    return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
+            f"ZeRO stage {zero.stage} | precision {precision} | optimizer {runtime.optimizer.type} | "
+            f"optimizer offload {zero.offload_optimizer.device} | parameter offload {zero.offload_param.device} | "
+            f"global batch {runtime.train_batch_size} = micro batch {runtime.train_micro_batch_size_per_gpu} x "
+            f"accumulation {runtime.gradient_accumulation_steps} x data-parallel {grid.dp_size}")
+
+
 class Trainer:
     def __init__(self, config: PretrainConfig, grid: ParallelGrid) -> None:
         self.config = config
         self.grid = grid
         self.log = TrainingLogger(config.logging.tensorboard_dir, enabled=grid.is_first_rank)
+        runtime = config.runtime_config(grid.dp_size)
+        self.log.info(run_summary(runtime, grid))
         set_seed(config.training.seed)
         data = config.data
         self.tokenizer: Tokenizer = build_tokenizer(
@@ -86,7 +100,6 @@ class Trainer:
         self._refuse_overwriting_checkpoints()
         # teacher checks and the student's init from the teacher come before the engine copies the weights
         self.teacher = self._setup_teacher(model, self.resume_from is None)
-        runtime = config.runtime_config(grid.dp_size)
         optimizer = build_optimizer(model, runtime, rank=grid.rank)
         scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
             optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
@@ -185,7 +198,7 @@ class Trainer:
             raise DataError("the training split is empty; give more data or a --split with a non-zero first part")
         return datasets
 
-    def _loader(self, dataset: Any, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
+    def loader(self, dataset: Any, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
         loader = build_pretraining_loader(
             dataset, consumed_samples, self.config.training.micro_batch_size,
             self.grid.dp_rank, self.grid.dp_size, num_workers=self.config.data.num_workers,
@@ -195,7 +208,7 @@ class Trainer:
     def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return gpt_batch(next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device)
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def dp_mean(self, value: torch.Tensor) -> float:
         value = value.clone()
         all_reduce(value, self.grid.dp_group)
         return float(value / self.grid.dp_size)
@@ -226,13 +239,14 @@ class Trainer:
         """Mean LM loss over the first --eval-iters global batches of `dataset`, so every
         evaluation of a run sees the same tokens and the curve is comparable."""
         self.engine.module.eval()
-        data_iter = self._loader(dataset, 0)
+        data_iter = self.loader(dataset, 0)
         total = torch.zeros((), device=self.grid.device)
         steps = self.config.logging.eval_iters * self.engine.gradient_accumulation_steps
-        for _ in range(steps):
+        for step in range(steps):
             total += lm_loss(self.engine, self._batch(data_iter))[0]
+            self.log.progress("evaluation micro-batches", step + 1, steps)
         self.engine.module.train()
-        return self._dp_mean(total / steps)
+        return self.dp_mean(total / steps)
 
     def _save(self, result: TrainResult) -> None:
         model_config = asdict(self.model_config)
@@ -248,10 +262,12 @@ class Trainer:
             tokenizer={"type": data.tokenizer_type, "model": data.tokenizer_model, "vocab_file": data.vocab_file,
                        "merge_file": data.merge_file, "vocab_size": self.tokenizer.vocab_size},
         )
+        self.log.info(f" > saving checkpoint at iteration {self.iteration} to {self.config.checkpoint.save}")
+        start = time.perf_counter()
         path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client, run)
         result.checkpoint = str(path)
         self.saved_iteration = self.iteration
-        self.log.info(f" > saved checkpoint at iteration {self.iteration} to {path}")
+        self.log.info(f" > saved checkpoint at iteration {self.iteration} to {path} in {time.perf_counter() - start:.1f} s")
 
     def _check_step(self) -> None:
         """The non-finite policy: bf16/fp32 stop at the first non-finite loss or gradient (unless
@@ -290,7 +306,7 @@ class Trainer:
         result = TrainResult(iteration=self.iteration)
         if cfg.logging.eval_at_start and self.iteration == 0:
             self._validate(result)
-        data_iter = self._loader(self.train_data, self.consumed_samples)
+        data_iter = self.loader(self.train_data, self.consumed_samples)
         flops_per_iteration = self.model_config.flops_per_token(t.seq_length) * t.tokens_per_iteration
         interval_losses: list[torch.Tensor] = []  # read back once per log interval: no per-step sync
         interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
@@ -299,6 +315,7 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             self._check_step()
+            self.log.progress("iterations done", self.iteration, t.train_iters)
             exit_reason = exits.reason(self.iteration)
             if self.teacher is not None and not cfg.distill.kd_active(self.iteration):
                 self._stop_kd()
@@ -309,7 +326,7 @@ class Trainer:
                 interval = torch.stack(interval_losses)
                 result.losses += interval[:, 0].tolist()
                 result.kd_losses += interval[:, 2].tolist()
-                lm, moe, kd = (self._dp_mean(value) for value in interval.mean(0))
+                lm, moe, kd = (self.dp_mean(value) for value in interval.mean(0))
                 kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(interval))
                 self.log.training_line(self.iteration, t.train_iters, {
                     "consumed_samples": self.consumed_samples,

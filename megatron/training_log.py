@@ -2,11 +2,13 @@
 TensorBoard (written by the first rank only)."""
 
 import math
+import time
 from typing import Any
 
 from megatron.moe_monitor import LayerLoad
 
 LINE = "-" * 100
+PROGRESS_SECONDS = 30.0  # long work (evaluation, slow iterations) says how far it got at least this often
 
 
 class TrainingLogger:
@@ -17,10 +19,17 @@ class TrainingLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
+        self.last_output = time.monotonic()
 
     def info(self, message: str) -> None:
         if self.enabled:
             print(message, flush=True)
+            self.last_output = time.monotonic()
+
+    def progress(self, what: str, done: int, total: int) -> None:
+        """A line about work in progress, only when nothing was printed for PROGRESS_SECONDS."""
+        if time.monotonic() - self.last_output >= PROGRESS_SECONDS:
+            self.info(f" > {what}: {done}/{total}")
 
     def scalars(self, iteration: int, values: dict[str, float]) -> None:
         if self.writer is not None:

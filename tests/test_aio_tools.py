@@ -1,7 +1,13 @@
 """ds_io and ds_nvme_tune on small sizes: they measure, print a pasteable "aio" block, and stop on
-bad input with one sentence. Speed itself is measured in benchmarks/aio.py, not asserted here."""
+bad input with one sentence; the README's async-I/O example runs as pasted. Speed itself is
+measured in benchmarks/aio.py, not asserted here. How the installed commands exit is in
+test_tool_behaviour.py."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +27,7 @@ def _op_built() -> bool:
 
 
 needs_op = pytest.mark.skipif(not _op_built(), reason="the async-I/O op is not built: run `pip install -e .`")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_parse_size() -> None:
@@ -35,7 +42,7 @@ def test_parse_size() -> None:
 @needs_op
 @pytest.mark.parametrize("op", ["--write", "--read"])
 def test_ds_io_measures_and_cleans_up(op: str, tmp_path: Path) -> None:
-    result = io_bench.main([op, "--folder", str(tmp_path), "--io_size", "4M", "--block_size", "256K",
+    result = io_bench.run([op, "--folder", str(tmp_path), "--io_size", "4M", "--block_size", "256K",
                             "--queue_depth", "8", "--loops", "2", "--warmup", "0"])
     assert result["op"] == op[2:] and result["io_size"] == 4 << 20
     assert len(result["loops_gbps"]) == 2 and result["gbps"] > 0
@@ -44,7 +51,7 @@ def test_ds_io_measures_and_cleans_up(op: str, tmp_path: Path) -> None:
 
 @needs_op
 def test_ds_io_sequential_requests_on_plain_memory(tmp_path: Path) -> None:
-    result = io_bench.main(["--read", "--folder", str(tmp_path), "--io_size", "4M", "--requests", "4",
+    result = io_bench.run(["--read", "--folder", str(tmp_path), "--io_size", "4M", "--requests", "4",
                             "--sequential_requests", "--no-locked", "--intra_op_parallelism", "2", "--loops", "1"])
     assert result["gbps"] > 0 and result["requests"] == 4 and not result["locked"]
 
@@ -56,11 +63,12 @@ def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixtur
                                  "single_submit": [True], "overlap_events": [False]}))
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    nvme_tune.main(["--nvme_dir", str(nvme), "--sweep_config", str(sweep), "--io_size", "2M", "--loops", "1",
-                    "--log_dir", str(tmp_path / "logs")])
+    summary = nvme_tune.run(["--nvme_dir", str(nvme), "--sweep_config", str(sweep), "--io_size", "2M", "--loops", "1",
+                             "--log_dir", str(tmp_path / "logs")])
     out = capsys.readouterr().out
     assert "best read" in out and "best write" in out
     block = json.loads("{" + out[out.index('"aio": {'):] + "}")["aio"]
+    assert block == summary["aio"]  # what benchmarks/aio.py reads is what the user pastes
     assert list(block) == ["block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"]
     assert block["block_size"] in (256 << 10, 1 << 20) and block["queue_depth"] == 4
     assert type(block["intra_op_parallelism"]) is int and block["single_submit"] is True
@@ -108,3 +116,13 @@ def test_nvme_tune_rejects_bad_sweep_key(tmp_path: Path, capsys: pytest.CaptureF
 def test_gds_is_refused_where_missing() -> None:
     with pytest.raises(UserError, match="GPUDirect Storage is not available"):
         io_bench.handle_factory(gds=True)
+
+
+@needs_op
+def test_readme_async_io_example_runs_as_pasted(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "AsyncIOBuilder" in block)
+    # a fresh interpreter in an empty folder, as a reader pasting it would run it
+    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, f"the README's async-I/O example fails as pasted:\n{done.stderr}"

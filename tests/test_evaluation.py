@@ -215,6 +215,18 @@ def test_perplexity_tool_on_indexed_data_and_jsonl(ep2_checkpoint, tmp_path, cap
     assert f"tokens: 8 | lm loss: {jsonl_loss:.4f}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_perplexity_progress_counts_every_token_and_keeps_the_loss(batch_size, capsys):
+    model = tiny_model(4)
+    stream = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    windows = rolling_windows(stream, model.config.max_position_embeddings)
+    in_one_call = -sum(score.logprob for score in score_continuations(model, windows, batch_size)) / 199
+    assert stream_perplexity(model, stream, batch_size) == (pytest.approx(in_one_call, abs=1e-6), 199)
+    assert capsys.readouterr().err == ""  # quiet unless asked (ranks other than the first)
+    assert stream_perplexity(model, stream, batch_size, progress=True) == (pytest.approx(in_one_call, abs=1e-6), 199)
+    assert "199/199" in capsys.readouterr().err and len(windows) > batch_size
+
+
 def test_evaluate_script_writes_results_and_the_paper_table(ep2_checkpoint, tmp_path, capsys):
     _, save, _ = ep2_checkpoint
     data = tmp_path / "data"

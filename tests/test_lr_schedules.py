@@ -2,7 +2,6 @@
 
 import json
 import math
-import zlib
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -11,8 +10,10 @@ import pytest
 import torch
 
 from megatron.errors import ConfigError
-from megatron.runtime.lr_range_test import main as range_test_main
-from megatron.runtime.lr_schedules import SCHEDULES, build_scheduler
+from megatron.parallel import single_process_grid
+from megatron.runtime import initialize
+from megatron.runtime.lr_schedules import SCHEDULES, AnnealingLR, build_scheduler
+from megatron.runtime.schedule_resume import restore_schedule
 
 W, T = 10, 50
 TS = [-1, 0, 1, 2, W - 2, W - 1, W, W + 1, 25, T - 1, T, T + 1, T + 20]
@@ -123,7 +124,8 @@ def test_one_cycle_lr_and_momentum(stairs: tuple[int, int]) -> None:
     for t in range(-1, 40):
         if t < s1 + s2:
             scale = one_cycle(t, s1, s2, stairs)
-            lr, beta1 = 0.01 + 0.09 * scale, 0.95 - 0.1 * scale
+            # DeepSpeed starts beta1 at cycle_min_mom; the formula (0.95 at t = -1) takes over after one step
+            lr, beta1 = 0.01 + 0.09 * scale, 0.85 if t < 0 else 0.95 - 0.1 * scale
         else:
             d = t - (s1 + s2) + 1
             lr, beta1 = 0.01 / (1 + 0.5 * d / dss), 0.95 * (1 + 0.01 * d / dss)
@@ -134,6 +136,28 @@ def test_one_cycle_lr_and_momentum(stairs: tuple[int, int]) -> None:
     peak = values_at("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1.0, "cycle_first_step_size": s1,
                                    "cycle_second_step_size": s2, "cycle_first_stair_count": stairs[0]}, [s1 - 1])
     assert peak == [[pytest.approx(1.0)]]
+
+
+@pytest.mark.parametrize("cycle_momentum", [True, False])
+def test_one_cycle_first_engine_steps_run_with_deepspeeds_values(cycle_momentum: bool) -> None:
+    """The lr and beta1 each optimizer step of the engine runs with: DeepSpeed's construction writes
+    cycle_min_lr and cycle_min_mom, so step 0 runs with both; step k runs with the formula at t = k - 1."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.5, 0.999))
+    engine = initialize(model, {"train_batch_size": 2, "scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "cycle_momentum": cycle_momentum,
+        "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}}}, single_process_grid(torch.device("cpu")), optimizer=optimizer)
+    seen: list[tuple[float, tuple[float, float]]] = []
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"])))
+    for _ in range(7):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+    scales = [0.0, 0.25, 0.5, 0.75, 1.0, 0.75, 0.5]  # step k: (k / 4) up to the peak at k = 4, then down
+    lrs = [0.01 + 0.09 * scale for scale in scales]
+    betas = [(0.85 if k == 0 else 0.95 - 0.1 * scale, 0.99) if cycle_momentum else (0.5, 0.999)
+             for k, scale in enumerate(scales)]
+    assert [lr for lr, _ in seen] == pytest.approx(lrs, abs=1e-12)
+    assert [beta for _, beta in seen] == [pytest.approx(beta, abs=1e-12) for beta in betas]
 
 
 def test_one_cycle_without_decay_holds_the_floor_and_sgd_keeps_its_momentum() -> None:
@@ -169,6 +193,51 @@ def test_state_dict_round_trip_resumes_identically(type_name: str, params: dict[
     assert tail == straight[9:25]  # straight[i] is t = i - 1; we resumed at t = 8
 
 
+def test_resume_under_a_changed_deepspeed_param_names_it_and_the_new_value_wins() -> None:
+    params = {"total_num_steps": 20, "warmup_max_lr": 0.1, "warmup_num_steps": 5, "warmup_type": "linear"}
+    optimizer = adam()
+    first = build_scheduler(optimizer, "WarmupDecayLR", params)
+    for _ in range(10):
+        first.step()
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed_optimizer = adam()
+    resumed = build_scheduler(resumed_optimizer, "WarmupDecayLR", {**params, "total_num_steps": 40})
+    resumed_optimizer.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]  # the engine restores the optimizer first
+    line = restore_schedule(resumed, state, steps_taken=10)
+    old, new = 0.1 * (20 - 9) / 15, 0.1 * (40 - 9) / 35
+    assert resumed_optimizer.param_groups[0]["lr"] == pytest.approx(new)
+    assert line == (f"resuming: the WarmupDecayLR schedule's total_num_steps changed from 20 to 40 (checkpoint -> config); "
+                    f"the LR jumps from {old:.2e} to {new:.2e}; set \"total_num_steps\": 20 in the scheduler block "
+                    "to keep the checkpoint's")
+
+
+def test_resume_under_changed_annealing_flags_names_each_and_the_flags_that_keep_them() -> None:
+    def annealing(max_lr: float, warmup: int) -> AnnealingLR:  # counting 10 tokens per iteration
+        return AnnealingLR(adam(), max_lr, min_lr=0.0, warmup_steps=warmup, decay_steps=100, decay_style="linear",
+                           increment=10)
+    first = annealing(3e-3, 20)
+    for _ in range(5):
+        first.step()
+    resumed = annealing(1e-3, 45)
+    resumed.optimizer.param_groups[0]["lr"] = first.optimizer.param_groups[0]["lr"]
+    line = restore_schedule(resumed, json.loads(json.dumps(first.state_dict())), steps_taken=5)
+    old, new = 3e-3 * (1 - 30 / 80), 1e-3 * (1 - 5 / 55)  # 50 tokens in: past both warmups
+    assert line == ("resuming: the LR schedule's peak LR changed from 0.003 to 0.001 and its warmup length from 20 "
+                    f"to 45 tokens (checkpoint -> flags); the LR jumps from {old:.2e} to {new:.2e}; "
+                    "pass --lr 0.003 --lr-warmup-tokens 20 to keep the checkpoint's")
+
+
+def test_resume_reads_schedule_states_saved_without_their_kind() -> None:
+    def annealing() -> AnnealingLR:
+        return AnnealingLR(adam(), max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="linear",
+                           increment=2)
+    same = annealing()
+    assert restore_schedule(same, {"num_steps": 30}, steps_taken=15) is None and same.num_steps == 30
+    other = annealing()
+    line = restore_schedule(other, {"last_batch_iteration": 14, "base_lrs": [0.5]}, steps_taken=15)
+    assert other.num_steps == 30 and line.startswith("resuming: the LR schedule changed kind from DeepSpeed's")
+
+
 @pytest.mark.parametrize("type_name,params,message", [
     ("WarmupCosine", {}, "did you mean 'WarmupCosineLR'"),
     ("Cyclic", {}, "use one of LRRangeTest, OneCycle"),
@@ -202,22 +271,3 @@ def test_invalid_parameters_are_one_clear_config_error(type_name: str, params: d
 
 def test_registry_names_match_deepspeed() -> None:
     assert list(SCHEDULES) == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
-
-
-def test_lr_range_test_tool_writes_a_valid_png_and_json(tmp_path: Any, capsys: Any) -> None:
-    out = tmp_path / "range.png"
-    range_test_main(["--steps", "60", "--step-size", "5", "--output", str(out)])
-    data = out.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n")
-    offset, idat = 8, b""
-    while offset < len(data):
-        length = int.from_bytes(data[offset:offset + 4], "big")
-        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
-        assert zlib.crc32(kind + body) == int.from_bytes(data[offset + 8 + length:offset + 12 + length], "big")
-        idat += body if kind == b"IDAT" else b""
-        offset += 12 + length
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
-    record = json.loads(out.with_suffix(".json").read_text())
-    assert 0 < len(record["points"]) <= 60 and record["suggested_lr"] > 0
-    assert "suggested max lr" in capsys.readouterr().out

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from megatron.config.flags import build_parser, model_config_from_args
-from megatron.model_size import model_size, rank_memory, valid_ep_sizes
+from megatron.model_size import model_size, rank_memory, valid_ep_sizes, with_scale
 from megatron.model_size import main as model_size_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,8 +60,39 @@ def test_model_size_tool_prints_the_named_lines(capsys):
     model_size_main(f"{PAPER['350M']} --num-experts 128 --seq-length 2048 --vocab-size 50257 --world-size 16 "
                     "--moe-expert-parallel-size 16".split())
     out = capsys.readouterr().out
-    assert "total parameters: 13" in out and "active parameters per token: " in out
+    assert "total parameters: 13,1" in out and "(13.1B)\n" in out and "active parameters per token: " in out
     assert "training FLOPs per token:" in out and out.count(" *\n") == 4  # EP 16, ZeRO 0-3
+    assert "note:" not in out
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0"), (999, "999"), (1_234, "1,234 (1.23K)"), (356_000_000, "356,000,000 (356M)"),
+    (999_999_999, "999,999,999 (1B)"), (1_234_567_890, "1,234,567,890 (1.23B)"),
+    (13_149_534_208, "13,149,534,208 (13.1B)"), (2.7344e9, "2,734,400,000 (2.73B)"),
+])
+def test_numbers_read_exactly_and_at_a_glance(n, text):
+    assert with_scale(n) == text
+
+
+@pytest.mark.parametrize("vocab_flags, vocabulary, note", [
+    ("", "vocabulary 50,304 (padded)", "GPT-2's vocabulary of 50,257 tokens (padded to 50,304)"),
+    ("--vocab-size 1000", "vocabulary 1,024 (padded)", None),
+    ("--padded-vocab-size 1000", "vocabulary 1,000 (padded)", None),
+    ("--tokenizer-type NullTokenizer --vocab-size 1000", "vocabulary 1,024 (padded)", None),
+])
+def test_model_size_tool_needs_no_tokenizer(vocab_flags, vocabulary, note, capsys):
+    model_size_main(f"{PAPER['350M']} --seq-length 2048 {vocab_flags}".split())
+    lines = capsys.readouterr().out.splitlines()
+    assert vocabulary in lines[1 if note else 0]
+    assert (note in lines[0] and lines[0].startswith("note: ")) if note else not lines[0].startswith("note")
+
+
+def test_model_size_help_describes_the_tool(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        model_size_main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: tools/model_size.py ")
+    assert "Size a GPT model" in out and "Pretrain a GPT model" not in out and "--padded-vocab-size" in out
 
 
 def test_pretrain_dry_run_checks_the_flags_and_sizes_without_data(tmp_path):
@@ -72,6 +103,7 @@ def test_pretrain_dry_run_checks_the_flags_and_sizes_without_data(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    total = next(int(line.split(": ")[1]) for line in lines if line.startswith("total parameters: "))
-    active = next(int(line.split(": ")[1]) for line in lines if line.startswith("active parameters per token: "))
+    def count(label: str) -> int:  # "total parameters: 1,234 (1.23K)" -> 1234
+        return next(int(line.split(": ")[1].split(" ")[0].replace(",", "")) for line in lines if line.startswith(label))
+    total, active = count("total parameters: "), count("active parameters per token: ")
     assert total > active > 0 and not (tmp_path / "missing.idx").exists()

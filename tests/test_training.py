@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron import training_log
 from megatron.checkpoint import tensors as state_io
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
@@ -30,6 +32,9 @@ def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
     # ln(60) = 4.09 is the loss of guessing uniformly among the used tokens: the model must beat it
     assert first > 4.5 and last < 3.6, result.validation
     out = capsys.readouterr().out
+    assert out.startswith(" > run: world size 1 | data-parallel 1 | expert-parallel 1 | ZeRO stage 0 | precision fp32 | "
+                          "optimizer AdamW | optimizer offload none | parameter offload none | "
+                          "global batch 4 = micro batch 2 x accumulation 2 x data-parallel 1\n")
     assert "iteration       60/      60 | consumed samples:          240 | consumed tokens:           3840" in out
     for field in ("lm loss:", "grad norm:", "learning rate:", "tokens per second:", "TFLOP/s:",
                   "validation loss at iteration 60 | lm loss value:", "lm loss PPL:"):
@@ -40,6 +45,28 @@ def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
     events.Reload()
     assert {"lm loss", "learning-rate", "grad-norm", "lm loss validation"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("lm loss")] == list(range(5, 61, 5))
+
+
+def test_long_work_reports_progress_when_the_log_is_quiet(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(training_log, "PROGRESS_SECONDS", 0.0)  # as if every step took longer than the limit
+    Trainer(tiny_config(corpus, train_iters=2, eval_iters=2, log_interval=10, lr_warmup_iters=1, save=str(tmp_path / "ckpt")), SINGLE).train()
+    out = capsys.readouterr().out
+    for line in (" > iterations done: 1/2", " > evaluation micro-batches: 4/4", " > saving checkpoint at iteration 2"):
+        assert line in out
+    assert re.search(r"saved checkpoint at iteration 2 to .* in \d+\.\d s", out)
+    monkeypatch.setattr(training_log, "PROGRESS_SECONDS", 3600.0)
+    Trainer(tiny_config(corpus, train_iters=2, eval_iters=2, log_interval=10, lr_warmup_iters=1), SINGLE).train()
+    assert "iterations done" not in capsys.readouterr().out
+
+
+def test_save_and_load_the_same_folder_starts_afresh_then_resumes(corpus, tmp_path, capsys):
+    folder = str(tmp_path / "run")
+    first = Trainer(tiny_config(corpus, train_iters=2, lr_warmup_iters=1, save=folder, load=folder), SINGLE).train()
+    assert first.iteration == 2
+    assert f" > WARNING: --load {folder} does not exist yet, so training starts from scratch" in capsys.readouterr().out
+    Trainer(tiny_config(corpus, train_iters=4, lr_warmup_iters=1, save=folder, load=folder), SINGLE).train()
+    out = capsys.readouterr().out
+    assert "starts from scratch" not in out and f" > loaded checkpoint {folder}/iter_0000002 at iteration 2" in out
 
 
 def test_checkpoint_layout_is_safetensors_and_json(corpus, tmp_path):

@@ -1,7 +1,8 @@
-"""Run an LR range test and plot loss against lr; see megatron/runtime/lr_range_test.py for the flags."""
+"""Run an LR range test on pretrain_gpt.py's model and data (or --toy) and plot loss against lr;
+see megatron/cli/lr_range_test.py for the flags."""
 import importlib.util, os, sys  # noqa: E401
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.runtime.lr_range_test import main  # noqa: E402
+from megatron.cli.lr_range_test import main  # noqa: E402
 if __name__ == "__main__":
     main()

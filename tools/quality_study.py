@@ -7,7 +7,6 @@ prints a Markdown table. Run `make demo` first (it builds the corpus); every run
     # runs (checkpoints, logs) go to --work-dir, default demo_output/quality_study
 """
 
-import argparse
 import importlib.util
 import json
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.config.parser import FlagParser, positive_int  # noqa: E402
 from megatron.plotting import line_chart, png_bytes  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples_deepspeed" / "MoE"
@@ -34,7 +34,7 @@ VARIANTS = [
 COLORS = [(40, 40, 40), (30, 90, 200), (210, 30, 30), (120, 120, 120), (30, 160, 60), (230, 140, 0)]
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 SPEED = re.compile(r"tokens per second: ([0-9.]+)")
-SIZE = re.compile(r"^(total parameters|active parameters per token): (\d+)$", re.M)
+SIZE = re.compile(r"^(total parameters|active parameters per token): ([\d,]+)", re.M)
 
 
 def run(recipe: str, env: dict[str, str], dry: bool = False) -> str:
@@ -59,8 +59,8 @@ def study(work: Path, train_tokens: int) -> list[dict]:
         speeds = [float(s) for s in SPEED.findall(log)]
         results.append({
             "number": number, "label": label, "recipe": recipe, "environment": extra,
-            "total_parameters": int(sizes["total parameters"]),
-            "active_parameters": int(sizes["active parameters per token"]),
+            "total_parameters": int(sizes["total parameters"].replace(",", "")),
+            "active_parameters": int(sizes["active parameters per token"].replace(",", "")),
             "validation": curve, "final_validation_loss": curve[-1][1],
             "tokens_per_second": sum(speeds[1:]) / max(len(speeds) - 1, 1),  # the first interval includes warm-up
         })
@@ -79,11 +79,11 @@ def table(results: list[dict], train_tokens: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=Path("docs/quality"), help="writes OUTPUT.png and OUTPUT.json")
     parser.add_argument("--work-dir", type=Path, default=Path("demo_output/quality_study"),
                         help="checkpoints and logs of the runs (emptied first)")
-    parser.add_argument("--train-tokens", type=int, default=307200, help="per run (300 iterations of 8 x 128)")
+    parser.add_argument("--train-tokens", type=positive_int, default=307200, help="per run (300 iterations of 8 x 128)")
     args = parser.parse_args(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     results = study(args.work_dir, args.train_tokens)

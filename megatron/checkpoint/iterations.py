@@ -106,7 +106,8 @@ def resume_iteration(
         if ckpt_step is not None:
             raise CheckpointError(f"--load {load_dir} does not exist, so --ckpt-step {ckpt_step} cannot be loaded; "
                                   "check --load")
-        log(f" > --load {load_dir} does not exist yet: starting from random initialisation")
+        log(f" > WARNING: --load {load_dir} does not exist yet, so training starts from scratch at iteration 0 "
+            "(as on the first run of a --save X --load X job)")
         return None
     if grid.is_first_rank:
         repair_directory(load_dir, log)
@@ -120,7 +121,7 @@ def resume_iteration(
     else:
         iteration, problem = read_latest(load_dir)
         if iteration is None and not saved_iterations(load_dir):
-            log(f" > no checkpoint in {load_dir}: starting from random initialisation")
+            log(f" > WARNING: --load {load_dir} holds no checkpoint, so training starts from scratch at iteration 0")
             return None
         if iteration is None or iteration not in saved_iterations(load_dir):
             problem = problem or f"{Path(load_dir) / LATEST_FILE} names iteration {iteration}, which has no complete folder"

@@ -8,6 +8,7 @@ import argparse
 import math
 from dataclasses import dataclass, fields, replace
 
+from megatron.config.parser import non_negative_float, positive_float, positive_int
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 
@@ -68,19 +69,19 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("knowledge distillation (MoS)")
     g.add_argument("--kd", action="store_true", help="distil from --load-teacher: alpha x LM loss + beta x T^2 x KL")
     g.add_argument("--mos", action="store_true", help="Mixture-of-Students: the same as --kd (the reference's spelling)")
-    g.add_argument("--kd-alpha-ce", type=float, default=1.0, help="weight of the student's own LM loss while KD is on")
-    g.add_argument("--kd-beta-ce", type=float, default=1.0, help="weight of the KD term")
-    g.add_argument("--kd-temp", type=float, default=1.0, help="softmax temperature T of teacher and student")
-    g.add_argument("--kd-stop-iters", type=int, default=None, help="staged KD: switch KD off and free the teacher here")
-    g.add_argument("--kd-stop-tokens", type=int, default=None, help="the same, in training tokens")
+    g.add_argument("--kd-alpha-ce", type=non_negative_float, default=1.0, help="weight of the student's own LM loss while KD is on")
+    g.add_argument("--kd-beta-ce", type=non_negative_float, default=1.0, help="weight of the KD term")
+    g.add_argument("--kd-temp", type=positive_float, default=1.0, help="softmax temperature T of teacher and student")
+    g.add_argument("--kd-stop-iters", type=positive_int, default=None, help="staged KD: switch KD off and free the teacher here")
+    g.add_argument("--kd-stop-tokens", type=positive_int, default=None, help="the same, in training tokens")
     g.add_argument("--load-teacher", default=None, help="the teacher's checkpoint directory (a --save of this toolkit)")
     g.add_argument("--mos-init-from-teacher", action="store_true",
                    help="start the student from the teacher's weights where their shapes agree")
-    g.add_argument("--num-layers-teacher", type=int, default=None)
-    g.add_argument("--hidden-size-teacher", type=int, default=None)
-    g.add_argument("--num-attention-heads-teacher", type=int, default=None)
-    g.add_argument("--ffn-hidden-size-teacher", type=int, default=None)
-    g.add_argument("--num-experts-teacher", type=int, nargs="+", default=None)
+    g.add_argument("--num-layers-teacher", type=positive_int, default=None)
+    g.add_argument("--hidden-size-teacher", type=positive_int, default=None)
+    g.add_argument("--num-attention-heads-teacher", type=positive_int, default=None)
+    g.add_argument("--ffn-hidden-size-teacher", type=positive_int, default=None)
+    g.add_argument("--num-experts-teacher", type=positive_int, nargs="+", default=None)
     g.add_argument("--mlp-type-teacher", choices=MLP_TYPES, default=None)
 
 
@@ -100,16 +101,9 @@ def distill_config_from_args(args: argparse.Namespace, tokens_per_iteration: int
         raise ConfigError("--kd-stop-iters/--kd-stop-tokens stop a KD term that is off; add --kd or drop the flag")
     if args.kd_stop_iters is not None and args.kd_stop_tokens is not None:
         raise ConfigError("--kd-stop-iters and --kd-stop-tokens were both given; use only one of them")
-    if args.kd_temp <= 0:
-        raise ConfigError(f"--kd-temp must be positive, got {args.kd_temp}")
-    for name in ("kd_alpha_ce", "kd_beta_ce"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     stop = args.kd_stop_iters
     if args.kd_stop_tokens is not None:
         stop = math.ceil(args.kd_stop_tokens / tokens_per_iteration)
-    if stop is not None and stop <= 0:
-        raise ConfigError(f"the KD stop point must be a positive iteration, got {stop}; raise --kd-stop-iters or --kd-stop-tokens")
     if stated["num_experts"] is not None:
         stated["num_experts"] = tuple(stated["num_experts"])
     return DistillConfig(

@@ -9,12 +9,18 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.config.deepspeed_json import explicit_flags, merge_deepspeed_config
+from pydantic import ValidationError
+
+from megatron.config.deepspeed_json import explicit_flags, flag_for, merge_deepspeed_config, runtime_dict
 from megatron.config.distill_flags import DistillConfig, add_distill_args, distill_config_from_args
+from megatron.config.parser import (
+    FlagParser, non_negative_float, non_negative_int, positive_float, positive_int, probability,
+)
+from megatron.config.runtime_schema import RuntimeConfig, explain, resolve_batch_sizes
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
-from megatron.config.runtime_schema import RuntimeConfig, resolve_batch_sizes, validate_runtime_config
+from megatron.runtime.lr_schedules import scheduler_parameters
 
 
 @dataclass(frozen=True)
@@ -61,15 +67,17 @@ class TrainingConfig:
     zero_stage: int
     check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
     max_consecutive_skipped_iterations: int  # 0: no limit
-    deepspeed_scheduler: dict[str, Any] | None  # a DeepSpeed "scheduler" block replaces Megatron's annealing
-    deepspeed_accumulation: int | None  # gradient_accumulation_steps from the DeepSpeed JSON, checked later
-    # the JSON's blocks that no Megatron flag sets: zero_optimization's other keys, aio, tensorboard,
-    # steps_per_print, wall_clock_breakdown
-    deepspeed_passthrough: dict[str, Any] | None
+    # the --deepspeed_config JSON as written; the flags' values are laid over it (deepspeed_json.py)
+    deepspeed_json: dict[str, Any] | None
 
     @property
     def tokens_per_iteration(self) -> int:
         return self.global_batch_size * self.seq_length
+
+    @property
+    def deepspeed_scheduler(self) -> dict[str, Any] | None:
+        """A DeepSpeed "scheduler" block, which replaces Megatron's LR annealing."""
+        return (self.deepspeed_json or {}).get("scheduler")
 
 
 @dataclass(frozen=True)
@@ -116,68 +124,52 @@ class PretrainConfig:
 
     def runtime_config(self, dp_size: int) -> RuntimeConfig:
         """The engine's config for these flags, with batch sizes checked against `dp_size`."""
-        t = self.training
-        passthrough = dict(t.deepspeed_passthrough or {})
-        zero = {**passthrough.pop("zero_optimization", {}), "stage": t.zero_stage}
-        # the trainer's Megatron log lines already report progress: the engine's own line only on request
-        passthrough.setdefault("steps_per_print", 0)
-        config = validate_runtime_config(dict(
-            train_batch_size=t.global_batch_size,
-            train_micro_batch_size_per_gpu=t.micro_batch_size,
-            optimizer={"type": "AdamW", "params": {
-                "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay,
-            }},
-            fp16={
-                "enabled": t.precision == "fp16", "loss_scale": t.loss_scale or 0.0,
-                "initial_scale_power": round(math.log2(t.initial_loss_scale)),
-                "loss_scale_window": t.loss_scale_window, "hysteresis": t.hysteresis,
-                "min_loss_scale": t.min_loss_scale,
-            },
-            bf16={"enabled": t.precision == "bf16"},
-            gradient_clipping=t.clip_grad,
-            scheduler=t.deepspeed_scheduler,
-            zero_optimization=zero,
-            **passthrough,
-        ), "the command-line flags")
+        try:
+            config = RuntimeConfig.model_validate(runtime_dict(self.flags, self.training.deepspeed_json))
+        except ValidationError as exc:
+            # the JSON was checked on its own when it was read, so a problem here comes from a flag
+            problem = explain(exc, "the command-line flags")
+            key = flag_for(problem.loc)
+            raise ConfigError(problem.sentence if key is None else f"{key.flag} {self.flags[key.dest]} is out of range "
+                              f"(as {key.key} {problem.value!r}: {problem.reason})") from None
         return resolve_batch_sizes(config, dp_size)
 
 
-def build_parser(sizing: bool = False) -> argparse.ArgumentParser:
-    """Every flag of pretrain_gpt.py; with `sizing` (tools/model_size.py) the training-only
-    required flags become optional, as only the model's shape is read."""
-    parser = argparse.ArgumentParser(
-        description="Pretrain a GPT model (Megatron-style flags).", allow_abbrev=False,
-    )
-    parser.add_argument("--dry-run", action="store_true",
-                        help="build the model on the meta device, print its size and memory per rank, and stop")
+def build_parser(sizing: bool = False) -> FlagParser:
+    """Every flag of pretrain_gpt.py; with `sizing` (tools/model_size.py) without --dry-run, which
+    that tool does anyway."""
+    parser = FlagParser(prog="pretrain_gpt.py", description="Pretrain a GPT model (Megatron-style flags).")
+    if not sizing:
+        parser.add_argument("--dry-run", action="store_true",
+                            help="build the model on the meta device, print its size and memory per rank, and stop")
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--num-layers", type=positive_int, required=True)
+    g.add_argument("--hidden-size", type=positive_int, required=True)
+    g.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=positive_int, required=True)
+    g.add_argument("--seq-length", type=positive_int, required=True)
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None, help="default --seq-length")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--rotary-base", type=positive_float, default=10000.0)
+    g.add_argument("--hidden-dropout", type=probability, default=0.1)
+    g.add_argument("--attention-dropout", type=probability, default=0.1)
+    g.add_argument("--init-method-std", type=positive_float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=positive_float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     g.add_argument("--checkpoint-activations", "--recompute-activations", action="store_true", dest="checkpoint_activations")
 
     g = parser.add_argument_group("mixture of experts (Megatron-DeepSpeed's flags)")
-    g.add_argument("--num-experts", type=int, nargs="+", default=[1],
+    g.add_argument("--num-experts", type=positive_int, nargs="+", default=[1],
                    help="experts per MoE layer: one value, or one per MoE layer (pyramid); 1 = dense")
-    g.add_argument("--expert-interval", type=int, default=2, help="layer n (from 1) is MoE when n %% interval == 0")
-    g.add_argument("--topk", type=int, default=1)
-    g.add_argument("--moe-expert-parallel-size", type=int, default=1)
-    g.add_argument("--moe-loss-coeff", type=float, default=0.01)
-    g.add_argument("--moe-z-loss-coeff", type=float, default=0.0, help="ST-MoE router z-loss weight")
-    g.add_argument("--moe-train-capacity-factor", type=float, default=1.0)
-    g.add_argument("--moe-eval-capacity-factor", type=float, default=1.0)
-    g.add_argument("--moe-min-capacity", type=int, default=4)
+    g.add_argument("--expert-interval", type=positive_int, default=2, help="layer n (from 1) is MoE when n %% interval == 0")
+    g.add_argument("--topk", type=positive_int, default=1)
+    g.add_argument("--moe-expert-parallel-size", type=positive_int, default=1)
+    g.add_argument("--moe-loss-coeff", type=non_negative_float, default=0.01)
+    g.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=0.0, help="ST-MoE router z-loss weight")
+    g.add_argument("--moe-train-capacity-factor", type=positive_float, default=1.0)
+    g.add_argument("--moe-eval-capacity-factor", type=positive_float, default=1.0)
+    g.add_argument("--moe-min-capacity", type=non_negative_int, default=4)
     g.add_argument("--disable-moe-token-dropping", action="store_true")
     g.add_argument("--mlp-type", choices=MLP_TYPES, default="standard", help="residual: PR-MoE")
     g.add_argument("--moe-noisy-gate-policy", choices=["None", "Jitter", "RSample"], default="None")
@@ -198,61 +190,63 @@ def build_parser(sizing: bool = False) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
-    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--vocab-size", type=positive_int, default=None, help="for NullTokenizer")
+    g.add_argument("--num-workers", type=non_negative_int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true")
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=not sizing)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch x data-parallel size")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--train-tokens", type=int, default=None)
-    g.add_argument("--lr", type=float, required=not sizing)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--micro-batch-size", type=positive_int, default=None,
+                   help="required, unless --deepspeed_config sets train_micro_batch_size_per_gpu")
+    g.add_argument("--global-batch-size", type=positive_int, default=None, help="default micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=positive_int, default=None)
+    g.add_argument("--train-samples", type=positive_int, default=None)
+    g.add_argument("--train-tokens", type=positive_int, default=None)
+    g.add_argument("--lr", type=positive_float, default=None,
+                   help="peak learning rate; required, unless --deepspeed_config sets optimizer.params.lr")
+    g.add_argument("--min-lr", type=non_negative_float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--lr-warmup-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-tokens", type=int, default=None)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-decay-tokens", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=non_negative_int, default=None)
+    g.add_argument("--lr-warmup-samples", type=non_negative_int, default=None)
+    g.add_argument("--lr-warmup-tokens", type=non_negative_int, default=None)
+    g.add_argument("--lr-decay-iters", type=positive_int, default=None)
+    g.add_argument("--lr-decay-samples", type=positive_int, default=None)
+    g.add_argument("--lr-decay-tokens", type=positive_int, default=None)
     g.add_argument("--optimizer", choices=["adam"], default="adam")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    g.add_argument("--adam-beta1", type=probability, default=0.9)
+    g.add_argument("--adam-beta2", type=probability, default=0.999)
+    g.add_argument("--adam-eps", type=positive_float, default=1e-8)
+    g.add_argument("--clip-grad", type=non_negative_float, default=1.0, help="gradient-norm clipping; 0: off")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale; default dynamic")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--loss-scale", type=positive_float, default=None, help="static fp16 loss scale; default dynamic")
+    g.add_argument("--initial-loss-scale", type=positive_float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=positive_float, default=1.0)
+    g.add_argument("--loss-scale-window", type=positive_int, default=1000)
+    g.add_argument("--hysteresis", type=positive_int, default=2)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="chosen from the device when omitted")
     g.add_argument("--deepspeed", action="store_true", help="read --deepspeed_config (Megatron-DeepSpeed's spelling)")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                    help="DeepSpeed-style JSON; values must agree with the flags given")
-    g.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned), 2 (also gradients) or 3 (also parameters)")
-    parser.set_defaults(deepspeed_scheduler=None, deepspeed_accumulation=None, deepspeed_passthrough=None)
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned), 2 (also gradients) or 3 (also parameters)")
+    parser.set_defaults(deepspeed_json=None, dry_run=False)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=positive_int, default=100)
+    g.add_argument("--eval-interval", type=positive_int, default=1000)
+    g.add_argument("--eval-iters", type=non_negative_int, default=100)
     g.add_argument("--eval-at-start", action="store_true", help="also evaluate before the first iteration")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--reset-iteration", action="store_true",
                    help="--load only the weights and start at iteration 0 with a fresh optimizer and LR schedule")
-    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the one `latest` names")
+    g.add_argument("--ckpt-step", type=positive_int, default=None, help="load this iteration instead of the one `latest` names")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="let a run that starts from scratch save into a --save folder that already holds checkpoints")
 
@@ -261,13 +255,13 @@ def build_parser(sizing: bool = False) -> argparse.ArgumentParser:
                    default=True, help="stop on a NaN or infinite loss or gradient in bf16/fp32 (default)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
                    help="skip such steps instead, as fp16 always does")
-    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=50,
+    g.add_argument("--max-consecutive-skipped-iterations", type=non_negative_int, default=50,
                    help="stop when this many iterations in a row skip their step (fp16 overflow); 0: never")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal, save a checkpoint at the next iteration and exit 0")
     g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"])
-    g.add_argument("--exit-interval", type=int, default=None, help="save and exit when the iteration is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+    g.add_argument("--exit-interval", type=positive_int, default=None, help="save and exit when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=positive_float, default=None,
                    help="save and exit once training has run this many minutes")
     add_distill_args(parser)
     return parser
@@ -281,13 +275,6 @@ def _one_of(args: argparse.Namespace, names: list[str], required: bool) -> str |
     if required and not given:
         raise ConfigError("give the training length with one of " + ", ".join("--" + n.replace("_", "-") for n in names))
     return given[0] if given else None
-
-
-def _positive(args: argparse.Namespace, names: list[str]) -> None:
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 def _tokens(args: argparse.Namespace, kind: str, seq: int, gbs: int, default_tokens: int) -> int:
@@ -323,13 +310,9 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
 
 
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
-    _positive(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                     "global_batch_size", "train_iters", "train_samples", "train_tokens", "log_interval",
-                     "eval_interval", "save_interval", "make_vocab_size_divisible_by", "lr", "ckpt_step",
-                     "exit_interval", "exit_duration_in_mins",
-                     "moe_expert_parallel_size", "topk"])
-    if any(count < 1 for count in args.num_experts):
-        raise ConfigError(f"--num-experts must be at least 1, got {args.num_experts}")
+    for dest, key in (("micro_batch_size", "train_micro_batch_size_per_gpu"), ("lr", "optimizer.params.lr")):
+        if getattr(args, dest) is None:
+            raise ConfigError(f"--{dest.replace('_', '-')} is required; give it, or {key} in --deepspeed_config")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 were both given; choose one precision")
     max_positions = args.max_position_embeddings or args.seq_length
@@ -368,8 +351,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         expert_parallel_size=args.moe_expert_parallel_size, zero_stage=args.zero_stage,
         check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
-        deepspeed_scheduler=args.deepspeed_scheduler, deepspeed_accumulation=args.deepspeed_accumulation,
-        deepspeed_passthrough=args.deepspeed_passthrough,
+        deepspeed_json=args.deepspeed_json,
     )
     if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
         raise ConfigError(
@@ -389,9 +371,6 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     )
     if args.ckpt_step is not None and not args.load:
         raise ConfigError("--ckpt-step picks a checkpoint in --load; add --load DIR or drop it")
-    if args.max_consecutive_skipped_iterations < 0:
-        raise ConfigError(f"--max-consecutive-skipped-iterations must be 0 (no limit) or positive, "
-                          f"got {args.max_consecutive_skipped_iterations}")
     exit_config = ExitConfig(signal_handler=args.exit_signal_handler, signal=args.exit_signal,
                              interval=args.exit_interval, duration_minutes=args.exit_duration_in_mins)
     distill = distill_config_from_args(args, training.tokens_per_iteration)
@@ -400,8 +379,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:
-    """Parse and validate Megatron-style flags (merged with --deepspeed_config when given);
-    argparse exits with usage on unknown flags."""
+    """Parse and validate Megatron-style flags (merged with --deepspeed_config when given); a
+    bad or unknown flag is a ConfigError naming it."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -433,11 +412,14 @@ def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainCon
             f"{t.micro_batch_size} x data-parallel size {dp_size}; change one of them"
         )
     accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
-    if t.deepspeed_accumulation is not None and t.deepspeed_accumulation != accumulation:
+    json_accumulation = (t.deepspeed_json or {}).get("gradient_accumulation_steps")
+    if json_accumulation is not None and json_accumulation != accumulation:
         raise ConfigError(
-            f"gradient_accumulation_steps {t.deepspeed_accumulation} in {config.flags['deepspeed_config']} disagrees "
+            f"gradient_accumulation_steps {json_accumulation} in {config.flags['deepspeed_config']} disagrees "
             f"with global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x {dp_size} ranks) "
             f"= {accumulation}; fix one of them"
         )
-    config.runtime_config(dp_size)  # every runtime setting, checked before any work
+    scheduler = config.runtime_config(dp_size).scheduler  # every runtime setting, checked before any work
+    if scheduler is not None:
+        scheduler_parameters(scheduler.type, scheduler.params)
     return config

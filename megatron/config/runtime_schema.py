@@ -1,36 +1,80 @@
 """Runtime config in DeepSpeed's JSON schema (the keys supported so far), validated by pydantic.
 
-Unknown keys are errors that suggest the nearest known key; the three batch sizes are resolved
-against the data-parallel size (any two give the third).
+Strict types (`"false"` is not a boolean, `"1e-3"` is not a number), finite numbers and each
+value's range are checked here, and unknown keys at every level are errors that suggest the
+nearest known key; the three batch sizes are resolved against the data-parallel size (any two
+give the third).
 """
 
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from megatron.errors import ConfigError
 
 
+def _integral(value: Any) -> Any:
+    """DeepSpeed's configs write element counts like 5e8: a float with no fraction is that integer."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Count = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
+PositiveCount = Annotated[int, BeforeValidator(_integral), Field(ge=1)]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+# 2 ** power must stay a finite fp32 number (the largest power of two there is 2 ** 127)
+ScalePower = Annotated[int, BeforeValidator(_integral), Field(ge=0, le=127)]
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+ADAM_ONLY = ("adam_w_mode", "amsgrad")
+LAMB_ONLY = ("max_coeff", "min_coeff")
+
+
+class OptimizerParams(_Section):
+    """DeepSpeed's Adam/AdamW and Lamb parameters; only those given reach the optimizer, which
+    supplies its own defaults (DeepSpeed's) for the rest."""
+    lr: NonNegative = 1e-3
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] = (0.9, 0.999)
+    eps: Positive = 1e-8
+    weight_decay: NonNegative = 0.0
+    bias_correction: bool = True
+    adam_w_mode: bool = True
+    amsgrad: bool = False
+    max_coeff: Positive = 10.0
+    min_coeff: NonNegative = 0.01
+
+    def given(self) -> dict[str, Any]:
+        return self.model_dump(include=self.model_fields_set)
 
 
 class OptimizerConfig(_Section):
     type: Literal["Adam", "AdamW", "Lamb"] = "AdamW"
-    params: dict[str, Any] = {}
+    params: OptimizerParams = OptimizerParams()
+
+    def model_post_init(self, context: Any) -> None:
+        foreign = LAMB_ONLY if self.type != "Lamb" else ADAM_ONLY
+        wrong = sorted(set(foreign) & self.params.model_fields_set)
+        if wrong:
+            raise ValueError(f"{wrong[0]} is not a parameter of {self.type}; remove it or change optimizer.type")
 
 
 class FP16Config(_Section):
     enabled: bool = False
-    loss_scale: float = 0.0  # 0 means dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    loss_scale: NonNegative = 0.0  # 0 means dynamic
+    initial_scale_power: ScalePower = 16
+    loss_scale_window: PositiveCount = 1000
+    hysteresis: PositiveCount = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+    min_loss_scale: Positive = 1.0
 
 
 class BF16Config(_Section):
@@ -49,7 +93,7 @@ class OffloadOptimizerConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     pin_memory: bool = False  # host buffers here are always the aio op's locked ones
-    buffer_count: int = 4
+    buffer_count: PositiveCount = 4
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False  # skip writing zeros to the swap files at start-up
@@ -63,16 +107,9 @@ class OffloadParamConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     pin_memory: bool = False  # host buffers here are always the aio op's locked ones
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-
-    def model_post_init(self, context: Any) -> None:
-        for key in ("buffer_count", "buffer_size"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"offload_param.{key} must be positive, got {getattr(self, key)}")
-        if self.max_in_cpu < 0:
-            raise ValueError(f"offload_param.max_in_cpu must be zero or a positive number of elements, got {self.max_in_cpu}")
+    buffer_count: PositiveCount = 5
+    buffer_size: PositiveCount = 100_000_000
+    max_in_cpu: Count = 1_000_000_000
 
 
 class ZeroConfig(_Section):
@@ -81,24 +118,17 @@ class ZeroConfig(_Section):
     # gradients are always views of one flat buffer here, so they are contiguous either way
     contiguous_gradients: bool = True
     reduce_scatter: bool = True  # False: all-reduce each bucket instead
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
+    reduce_bucket_size: PositiveCount = 500_000_000
+    allgather_bucket_size: PositiveCount = 500_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only
-    sub_group_size: int = 1_000_000_000  # the unit of optimizer swapping (offload)
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
+    sub_group_size: PositiveCount = 1_000_000_000  # the unit of optimizer swapping (offload)
+    stage3_prefetch_bucket_size: Count = 50_000_000
+    stage3_param_persistence_threshold: Count = 100_000
+    stage3_max_live_parameters: PositiveCount = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 
     def model_post_init(self, context: Any) -> None:
-        sizes = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters")
-        for key in sizes:
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be a positive number of elements, got {getattr(self, key)}")
-        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key} must be zero or a positive number of elements, got {getattr(self, key)}")
         if self.offload_optimizer.device != "none" and self.stage == 0:
             raise ValueError("offload_optimizer needs ZeRO (stage 1, 2 or 3) to partition the state it moves; "
                              "set zero_optimization.stage")
@@ -122,16 +152,11 @@ class ZeroConfig(_Section):
 
 class AioConfig(_Section):
     """The async-I/O handle settings for NVMe swapping (DeepNVMe's names and defaults)."""
-    block_size: int = 1_048_576
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
+    block_size: PositiveCount = 1_048_576
+    queue_depth: PositiveCount = 8
+    intra_op_parallelism: PositiveCount = 1
     single_submit: bool = False
     overlap_events: bool = True
-
-    def model_post_init(self, context: Any) -> None:
-        for key in ("block_size", "queue_depth", "intra_op_parallelism"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
 
 
 class TensorBoardConfig(_Section):
@@ -142,32 +167,63 @@ class TensorBoardConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    train_batch_size: int | None = None
-    train_micro_batch_size_per_gpu: int | None = None
-    gradient_accumulation_steps: int | None = None
+    train_batch_size: PositiveCount | None = None
+    train_micro_batch_size_per_gpu: PositiveCount | None = None
+    gradient_accumulation_steps: PositiveCount | None = None
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = ZeroConfig()
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
-    gradient_clipping: float = 0.0
-    steps_per_print: int = 10  # the engine's own progress line every N steps; 0: none
+    gradient_clipping: NonNegative = 0.0  # 0: no clipping
+    steps_per_print: Count = 10  # the engine's own progress line every N steps; 0: none
     wall_clock_breakdown: bool = False  # forward / backward / step times on that line
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     aio: AioConfig = AioConfig()
 
 
-def _explain(error: ValidationError, source: str) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
+def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The config section that a location inside the JSON points into (None where it leaves them)."""
+    section: type[BaseModel] = RuntimeConfig
+    for part in loc:
+        field = section.model_fields.get(str(part))
+        if field is None:
+            return None
+        inner = [kind for kind in get_args(field.annotation) or (field.annotation,)
+                 if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        if not inner:
+            return None
+        section = inner[0]
+    return section
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """The first problem pydantic found: where, why, and the sentence for the user."""
+    loc: tuple[int | str, ...]
+    value: Any
+    reason: str
+    sentence: str
+
+
+def explain(error: ValidationError, source: str) -> ConfigProblem:
+    """One sentence about the first problem, with the nearest key for a typo (unknown keys come
+    first: a misspelled required key is also reported missing)."""
+    first = sorted(error.errors(), key=lambda problem: problem["type"] != "extra_forbidden")[0]
+    loc = first["loc"]
+    where = ".".join(str(part) for part in loc)
     if first["type"] == "extra_forbidden":
-        section: type[BaseModel] = RuntimeConfig
-        for part in first["loc"][:-1]:
-            section = section.model_fields[str(part)].annotation
-        close = difflib.get_close_matches(str(first["loc"][-1]), section.model_fields, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else "; remove it"
-        return f"unknown key {where!r} in {source}{hint}"
-    return f"bad value for {where!r} in {source}: {first['msg'].removeprefix('Value error, ')}"
+        section = _section_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), section.model_fields if section else [], n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "remove it"
+        return ConfigProblem(loc, None, hint, f"unknown key {where!r} in {source}; {hint}")
+    if first["type"] == "missing":
+        return ConfigProblem(loc, None, "missing", f"missing key {where!r} in {source}; add it")
+    message = first["msg"].removeprefix("Value error, ")
+    reason = message[0].lower() + message[1:]
+    value = first.get("input")
+    given = f" {value!r}" if isinstance(value, (str, int, float, bool)) or value is None else ""
+    return ConfigProblem(loc, value, reason, f"bad value{given} for {where!r} in {source}: {reason}")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -185,7 +241,7 @@ def validate_runtime_config(config: dict[str, Any], source: str = "the runtime c
     try:
         return RuntimeConfig.model_validate(config)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, source)) from None
+        raise ConfigError(explain(exc, source).sentence) from None
 
 
 def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> RuntimeConfig:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron.config.parser import FlagParser, non_negative_float, non_negative_int, positive_float, positive_int
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError
 from megatron.inference.checkpoint_model import (
@@ -21,18 +22,18 @@ from megatron.inference.generation import generate
 from megatron.inference.sampling import SamplingConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Generate text from a checkpoint of pretrain_gpt.py.", allow_abbrev=False)
+def build_parser() -> FlagParser:
+    parser = FlagParser(description="Generate text from a checkpoint of pretrain_gpt.py.")
     add_load_args(parser)
     g = parser.add_argument_group("prompts (neither flag: type prompts interactively)")
     source = g.add_mutually_exclusive_group()
     source.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for several")
     source.add_argument("--prompt-file", default=None, help="a text file with one prompt per line")
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this mass")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k most likely tokens; 0: all")
+    g.add_argument("--top-p", type=positive_float, default=1.0, help="sample among the most likely tokens holding this mass")
     g.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -72,8 +73,7 @@ def complete(loaded: LoadedModel, prompt: str, args: argparse.Namespace, generat
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    run_entry_point(lambda: run(args))
+    run_entry_point(lambda: run(build_parser().parse_args(argv)))  # a bad flag is one sentence too
 
 
 def run(args: argparse.Namespace) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from megatron.config.parser import FlagParser, non_negative_int, positive_int
+from megatron.entry_point import run_entry_point
 from megatron.errors import UserError
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -193,22 +195,23 @@ def measure(workload: Workload, settings: AioSettings, read: bool, loops: int = 
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ds_io", description=__doc__)
+    parser = FlagParser(prog="ds_io", description=__doc__)
     op = parser.add_mutually_exclusive_group(required=True)
     op.add_argument("--read", action="store_true", help="time reads of a file written once beforehand")
     op.add_argument("--write", action="store_true", help="time writes into a newly created file")
     parser.add_argument("--folder", type=Path, required=True, help="where the test file goes (removed after)")
     parser.add_argument("--io_size", default="400M", help="bytes per pass, with K/M/G suffixes")
     parser.add_argument("--block_size", default="1M")
-    parser.add_argument("--queue_depth", type=int, default=32)
-    parser.add_argument("--intra_op_parallelism", type=int, default=1)
+    parser.add_argument("--queue_depth", type=positive_int, default=32)
+    parser.add_argument("--intra_op_parallelism", type=positive_int, default=1)
     parser.add_argument("--single_submit", action="store_true")
     parser.add_argument("--overlap_events", action="store_true")
-    parser.add_argument("--requests", type=int, default=1, help="split the pass into this many files and async ops")
+    parser.add_argument("--requests", type=positive_int, default=1,
+                        help="split the pass into this many files and async ops")
     parser.add_argument("--sequential_requests", action="store_true",
                         help="wait after each async op instead of once after all (matters with --requests > 1)")
-    parser.add_argument("--loops", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--loops", type=positive_int, default=3)
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--locked", action=argparse.BooleanOptionalAction, default=True,
                         help="use page-locked buffers from new_cpu_locked_tensor")
     parser.add_argument("--gpu", action="store_true", help="move data from/to a CUDA tensor")
@@ -216,30 +219,36 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def flush_or_warn(requested: bool) -> bool:
+    """Whether reads will be cold: --flush_page_cache asked for it and the kernel lets us drop the cache."""
+    flush = requested and drop_page_cache()
+    if requested and not flush:
+        print("warning: cannot drop the page cache here (needs root and a writable /proc/sys); reads may be warm",
+              file=sys.stderr)
+    return flush
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """One measurement from ds_io's flags: prints its one-line summary and returns the numbers."""
     args = _parse_args(argv)
-    try:
-        if args.loops < 1 or args.warmup < 0:
-            raise UserError(f"--loops {args.loops} --warmup {args.warmup}: need one loop or more and warm-up >= 0.")
-        settings = AioSettings(parse_size(args.block_size), args.queue_depth, args.intra_op_parallelism,
-                               args.single_submit, args.overlap_events)
-        io_size = parse_size(args.io_size)
-        check_folder(args.folder, io_size)
-        device = resolve_device(args.gpu)
-        flush = args.flush_page_cache and drop_page_cache()
-        if args.flush_page_cache and not flush:
-            print("warning: cannot drop the page cache here (needs root and a writable /proc/sys); reads may be warm",
-                  file=sys.stderr)
-        with Workload(args.folder, io_size, args.requests, args.locked, device) as workload:
-            workload.prepare(args.read)
-            result = measure(workload, settings, args.read, args.loops, args.warmup, args.sequential_requests, flush)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    settings = AioSettings(parse_size(args.block_size), args.queue_depth, args.intra_op_parallelism,
+                           args.single_submit, args.overlap_events)
+    io_size = parse_size(args.io_size)
+    check_folder(args.folder, io_size)
+    device = resolve_device(args.gpu)
+    flush = flush_or_warn(args.flush_page_cache)
+    with Workload(args.folder, io_size, args.requests, args.locked, device) as workload:
+        workload.prepare(args.read)
+        result = measure(workload, settings, args.read, args.loops, args.warmup, args.sequential_requests, flush)
     loops = " ".join(f"{g:.3f}" for g in result["loops_gbps"])
     print(f"{result['op']} io_size={format_size(result['io_size'])} {settings.describe()}: "
           f"{result['gbps']:.3f} GB/s (median; loops {loops})")
     return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `ds_io` command: returns None, so that the console script exits 0 instead of printing the dict."""
+    run_entry_point(lambda: run(argv))
 
 
 if __name__ == "__main__":

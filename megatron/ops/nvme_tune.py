@@ -9,15 +9,16 @@ read + write GB/s, since the runtime uses one handle for both directions.
 import argparse
 import itertools
 import json
-import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from megatron.config.parser import FlagParser, positive_int
+from megatron.entry_point import run_entry_point
 from megatron.errors import UserError
-from megatron.ops.io_bench import (AioSettings, Workload, check_folder, drop_page_cache, handle_factory, measure,
+from megatron.ops.io_bench import (AioSettings, Workload, check_folder, flush_or_warn, handle_factory, measure,
                                    parse_size, resolve_device)
 
 # About 120 combinations, 2 loops each way: a few minutes on a drive doing 1-2 GB/s.
@@ -70,7 +71,7 @@ def best_settings(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ds_nvme_tune", description=__doc__)
+    parser = FlagParser(prog="ds_nvme_tune", description=__doc__)
     parser.add_argument("--nvme_dir", type=Path, required=True, help="a folder on the drive to tune for")
     parser.add_argument("--sweep_config", type=Path, help="JSON object of lists replacing the default sweep lists")
     parser.add_argument("--no_read", action="store_true", help="skip the read sweep")
@@ -80,7 +81,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gds", action="store_true", help="use GPUDirect Storage (implies --gpu)")
     parser.add_argument("--flush_page_cache", action="store_true", help="drop the page cache before each read")
     parser.add_argument("--log_dir", type=Path, help="write every result to LOG_DIR/nvme_tune.json")
-    parser.add_argument("--loops", type=int, default=2, help="timed passes per setting (median kept)")
+    parser.add_argument("--loops", type=positive_int, default=2, help="timed passes per setting (median kept)")
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
     return parser.parse_args(argv)
 
@@ -88,17 +89,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def tune(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_read and args.no_write:
         raise UserError("--no_read and --no_write together leave nothing to tune: drop one of them.")
-    if args.loops < 1:
-        raise UserError(f"--loops {args.loops} must be at least 1.")
     io_size = parse_size(args.io_size)
     check_folder(args.nvme_dir, io_size, "--nvme_dir")
     settings = sweep_settings(load_sweep(args.sweep_config))
     device = resolve_device(args.gpu, args.gds)
     handle_factory(args.gds)  # a missing op or missing GDS stops here, before any file is written
-    flush = args.flush_page_cache and drop_page_cache()
-    if args.flush_page_cache and not flush:
-        print("warning: cannot drop the page cache here (needs root and a writable /proc/sys); reads may be warm",
-              file=sys.stderr)
+    flush = flush_or_warn(args.flush_page_cache)
     ops = [op for op, skip in (("write", args.no_write), ("read", args.no_read)) if not skip]
     results: list[dict[str, Any]] = []
     with Workload(args.nvme_dir, io_size, device=device) as workload:
@@ -116,17 +112,19 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
             "results": results, "best": best, "aio": best_settings(results)}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """The sweep from ds_nvme_tune's flags: prints the best settings and the "aio" block, returns every result."""
     args = _parse_args(argv)
-    try:
-        summary = tune(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    if args.log_dir is not None:  # made first: a bad folder stops the tool before minutes of sweeping, not after
+        try:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--log_dir {args.log_dir} cannot be made ({exc.strerror}): pass a folder you can "
+                            "write to.") from None
+    summary = tune(args)
     for op, r in summary["best"].items():
         print(f"best {op:5}: {r['gbps']:.3f} GB/s with {AioSettings(**r['settings']).describe()}")
     if args.log_dir is not None:
-        args.log_dir.mkdir(parents=True, exist_ok=True)
         path = args.log_dir / "nvme_tune.json"
         path.write_text(json.dumps(summary, indent=2))
         print(f"wrote {len(summary['results'])} results to {path}")
@@ -134,6 +132,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     block = json.dumps(summary["aio"], indent=2)
     print(f'"aio": {block}')
     return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `ds_nvme_tune` command: returns None, so that the console script exits 0 instead of printing the dict."""
+    run_entry_point(lambda: run(argv))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,13 @@ class Schedule:
         # restored (already scheduled) before or after this schedule was built.
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self._last_lr: list[float] = []
+        # the params it was built from (build_scheduler fills them in), saved so that a resume
+        # under other params can say what changed
+        self.settings: dict[str, Any] = {}
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
 
     def get_lr(self) -> list[float]:
         raise NotImplementedError
@@ -90,8 +97,13 @@ class Schedule:
     def get_last_lr(self) -> list[float]:
         return list(self._last_lr)
 
+    def resume_at(self, steps_taken: int) -> None:
+        """Continue a run that another kind of schedule drove for `steps_taken` optimizer steps."""
+        self.step(steps_taken - 1)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"last_batch_iteration": self.last_batch_iteration, "base_lrs": list(self.base_lrs)}
+        return {"kind": self.kind, "settings": dict(self.settings),
+                "last_batch_iteration": self.last_batch_iteration, "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_batch_iteration = int(state["last_batch_iteration"])
@@ -197,7 +209,11 @@ class OneCycle(Schedule):
     def get_mom(self) -> list[tuple[float, float]] | None:
         if not self.cycle_momentum:
             return None
-        if self._in_cycle():
+        if self.last_batch_iteration < 0:
+            # DeepSpeed starts beta1 at cycle_min_mom, not at the cycle formula's cycle_max_mom, so
+            # the first optimizer step runs with it; the formula takes over from the first step().
+            beta1 = self.min_mom
+        elif self._in_cycle():
             beta1 = self.max_mom - (self.max_mom - self.min_mom) * self._scale()
         else:
             beta1 = self.max_mom * (1 + self.decay_mom_rate * self._decay_interval())

@@ -23,6 +23,7 @@ from megatron.parallel import ParallelGrid, all_reduce, is_parallel
 from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler
+from megatron.runtime.schedule_resume import restore_schedule
 from megatron.runtime.monitor import EngineMonitor
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from megatron.runtime.optim.lamb import Lamb
@@ -45,11 +46,9 @@ def build_optimizer(
     """The config's optimizer over `model_parameters` (parameters, or DeepSpeed-style groups of
     them), by default the model's trainable parameters with weight decay on matrices only: biases
     and norm weights are not decayed."""
-    params = dict(config.optimizer.params)
+    params = config.optimizer.params.given()  # the optimizer's own defaults are DeepSpeed's
     weight_decay = params.pop("weight_decay", 0.0)
     adam_w_mode = params.pop("adam_w_mode", True)
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
     given = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if given and isinstance(given[0], dict):
         groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in given]
@@ -83,9 +82,12 @@ def build_optimizer(
             if offload.device == "cpu":
                 return CPUAdam(groups, **adam)
             return SwappedAdam(groups, offload, config.aio, config.zero_optimization.sub_group_size, rank, **adam)
+        if not params.pop("bias_correction", True):
+            raise ConfigError("optimizer.params.bias_correction false is implemented by the offloaded CPU Adam and "
+                              "by Lamb only; drop it, or set zero_optimization.offload_optimizer")
         optimizer_class = torch.optim.AdamW if kind == "AdamW" or adam_w_mode else torch.optim.Adam
         return optimizer_class(groups, fused=True, **params)
-    except TypeError as error:
+    except (TypeError, NotImplementedError) as error:
         raise ConfigError(f"bad optimizer.params for {kind}: {error}; use the parameter names of DeepSpeed's {kind}") from None
 
 
@@ -381,7 +383,11 @@ class Engine:
             else:
                 load_optimizer_entries(self.optimizer, self.param_names, reader, meta["optimizer_groups"])
             if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+                # the schedule steps once per optimizer step that was not skipped
+                steps_taken = meta["global_steps"] - meta["skipped_steps"]
+                changed = restore_schedule(self.lr_scheduler, meta["lr_scheduler"], steps_taken)
+                if changed and self.parallel.is_first_rank:
+                    print(changed, flush=True)
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
             # count micro-batches in this run's accumulation: another data-parallel size changes it
             self.global_steps = meta["global_steps"]

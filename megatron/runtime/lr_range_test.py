@@ -1,138 +1,86 @@
-"""LR range test: train a small MLP on synthetic regression while `LRRangeTest` raises the lr,
-record (lr, loss), suggest a max lr and plot loss against lr (log x) into a PNG.
+"""The LR range test's sweep, for any model: run steps while an `LRRangeTest` schedule raises the
+learning rate, smooth the loss, stop once it diverges, and read a learning-rate range off the curve.
 
-Suggestion rule: smooth the loss with a bias-corrected EMA (beta 0.9), take the lr where the
-smoothed loss is lowest and suggest one tenth of it (the lowest point is already at the edge of
-divergence, so a tenth leaves margin). The run stops early once the smoothed loss exceeds 4x its
-best, as the rest of the curve says nothing more. The plot is drawn with numpy and written by a
-small PNG writer (megatron/plotting.py) so the tool needs no plotting library.
+The loss is smoothed with a bias-corrected EMA (beta 0.9), since single batches are too noisy to
+compare. The sweep stops once the smoothed loss exceeds 4x its lowest value, or a loss or its
+gradients are not finite: past that point the curve says nothing more. The suggested range runs
+from the lr where the smoothed loss falls fastest per decade of lr (training clearly makes
+progress there) to the lr where it is lowest (beyond it, training gets worse).
 """
 
-import argparse
-import itertools
-import json
 import math
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-import torch
-
-from megatron.errors import UserError
-from megatron.plotting import draw_line as _line
-from megatron.plotting import png_bytes
-from megatron.runtime.deepspeed_schedules import LRRangeTest
 
 EMA_BETA = 0.9
-DIVERGED = 4.0
+DIVERGENCE_FACTOR = 4.0
+SLOPE_SPAN = 0.1  # decades of lr over which the suggestion measures the loss's slope
 
 
-def run_range_test(min_lr: float, step_rate: float, step_size: int, steps: int, seed: int) -> list[tuple[float, float]]:
-    """(lr, loss) for each optimizer step; the lr is the one that step ran with."""
-    generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    inputs = torch.randn(4096, 16, generator=generator)
-    projection = inputs @ torch.randn(16, 1, generator=generator)
-    targets = projection + torch.sin(projection) + 0.1 * torch.randn(4096, 1, generator=generator)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=min_lr)
-    schedule = LRRangeTest(optimizer, lr_range_test_min_lr=min_lr, lr_range_test_step_size=step_size,
-                           lr_range_test_step_rate=step_rate)
-    points: list[tuple[float, float]] = []
-    smoothed, best = 0.0, math.inf
-    for step in range(steps):
-        batch = torch.randint(0, len(inputs), (256,), generator=generator)
-        loss = torch.nn.functional.mse_loss(model(inputs[batch]), targets[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        schedule.step()
-        points.append((lr, loss.item()))
-        smoothed = EMA_BETA * smoothed + (1 - EMA_BETA) * loss.item()
-        debiased = smoothed / (1 - EMA_BETA ** (step + 1))
-        best = min(best, debiased)
-        if not math.isfinite(debiased) or debiased > DIVERGED * best:
-            break
-    return points
+@dataclass(frozen=True)
+class RangePoint:
+    iteration: int
+    lr: float  # the lr this iteration's optimizer step ran with
+    loss: float
+    smoothed_loss: float
 
 
-def smooth(losses: list[float]) -> list[float]:
-    out, value = [], 0.0
-    for i, loss in enumerate(losses):
-        value = EMA_BETA * value + (1 - EMA_BETA) * loss
-        out.append(value / (1 - EMA_BETA ** (i + 1)))
-    return out
+@dataclass(frozen=True)
+class Sweep:
+    points: list[RangePoint]
+    diverged_lr: float | None  # the lr at which the sweep stopped early, if it did
+    stop_reason: str | None
 
 
-def suggest_lr(points: list[tuple[float, float]]) -> float:
-    smoothed = smooth([loss for _, loss in points])
-    lowest = min(range(len(points)), key=lambda i: smoothed[i] if math.isfinite(smoothed[i]) else math.inf)
-    return points[lowest][0] / 10
+@dataclass(frozen=True)
+class Suggestion:
+    steepest_lr: float | None  # None when the smoothed loss never fell
+    lowest_lr: float
 
 
-def draw_plot(points: list[tuple[float, float]], marker_lr: float, width: int = 640, height: int = 400) -> np.ndarray:
-    """White canvas, black axes with decade ticks on the log-lr axis, blue loss curve, red marker."""
-    image = np.full((height, width, 3), 255, dtype=np.uint8)
-    left, right, top, bottom = 50, width - 20, 20, height - 40
-    log_lrs = np.log10([lr for lr, _ in points])
-    losses = np.array([loss for _, loss in points])
-    finite = np.isfinite(losses)
-    lo_x, hi_x = float(log_lrs.min()), float(max(log_lrs.max(), log_lrs.min() + 1e-9))
-    # Clip the y range so one diverged step does not flatten the interesting part of the curve.
-    lo_y = float(losses[finite].min())
-    hi_y = float(min(losses[finite].max(), lo_y + DIVERGED * (losses[finite][0] - lo_y + 1e-12)))
-
-    def to_px(log_lr: float, loss: float) -> tuple[float, float]:
-        x = left + (log_lr - lo_x) / (hi_x - lo_x) * (right - left)
-        y = bottom - (min(loss, hi_y) - lo_y) / max(hi_y - lo_y, 1e-12) * (bottom - top)
-        return x, y
-
-    black = (0, 0, 0)
-    _line(image, left, bottom, right, bottom, black)
-    _line(image, left, top, left, bottom, black)
-    for decade in range(math.ceil(lo_x), math.floor(hi_x) + 1):
-        x, _ = to_px(decade, lo_y)
-        _line(image, x, bottom, x, bottom + 8, black)
-    for i in range(5):
-        y = bottom - i * (bottom - top) / 4
-        _line(image, left - 6, y, left, y, black)
-    curve = [to_px(x, y) for x, y, ok in zip(log_lrs, losses, finite) if ok]
-    for (x0, y0), (x1, y1) in itertools.pairwise(curve):
-        _line(image, x0, y0, x1, y1, (30, 90, 200))
-    marker_x, _ = to_px(math.log10(marker_lr), lo_y)
-    if left <= marker_x <= right:
-        _line(image, marker_x, top, marker_x, bottom, (210, 30, 30))
-    return image
+# one iteration: (the lr it ran with, its loss), or None when it skipped its step (fp16 overflow)
+Step = Callable[[], tuple[float, float] | None]
+# told of every iteration, with its point or None when it was skipped
+Report = Callable[[int, RangePoint | None], None]
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--min-lr", type=float, default=1e-4, help="lr_range_test_min_lr")
-    parser.add_argument("--step-rate", type=float, default=20.0, help="lr_range_test_step_rate")
-    parser.add_argument("--step-size", type=int, default=1, help="lr_range_test_step_size")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps at most")
-    parser.add_argument("--output", type=Path, default=Path("lr_range_test.png"), help="PNG plot; JSON goes beside it")
-    parser.add_argument("--seed", type=int, default=1234)
-    return parser.parse_args(argv)
+def sweep(step: Step, steps: int, report: Report) -> Sweep:
+    points: list[RangePoint] = []
+    average, lowest = 0.0, math.inf
+    for iteration in range(1, steps + 1):
+        result = step()
+        if result is None:
+            report(iteration, None)
+            continue
+        lr, loss = result
+        if not math.isfinite(loss):
+            return Sweep(points, lr, f"the loss or its gradients were not finite at iteration {iteration}, lr {lr:.3E}")
+        average = EMA_BETA * average + (1 - EMA_BETA) * loss
+        smoothed = average / (1 - EMA_BETA ** (len(points) + 1))
+        points.append(RangePoint(iteration, lr, loss, smoothed))
+        report(iteration, points[-1])
+        lowest = min(lowest, smoothed)
+        if smoothed > DIVERGENCE_FACTOR * lowest:
+            return Sweep(points, lr, f"the smoothed loss {smoothed:.4g} exceeded {DIVERGENCE_FACTOR:g}x its minimum "
+                                     f"{lowest:.4g} at iteration {iteration}, lr {lr:.3E}")
+    return Sweep(points, None, None)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = _parse_args(argv)
-    try:
-        if args.steps <= 0:
-            raise UserError(f"--steps must be positive, got {args.steps}")
-        points = run_range_test(args.min_lr, args.step_rate, args.step_size, args.steps, args.seed)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    suggested = suggest_lr(points)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_bytes(png_bytes(draw_plot(points, suggested)))
-    record = {"suggested_lr": suggested, "rule": "lr at the lowest EMA-smoothed loss / 10",
-              "min_lr": args.min_lr, "step_rate": args.step_rate, "step_size": args.step_size, "seed": args.seed,
-              "points": [{"lr": lr, "loss": loss} for lr, loss in points]}
-    json_path = args.output.with_suffix(".json")
-    json_path.write_text(json.dumps(record, indent=1))
-    print(f"{len(points)} steps, lr {points[0][0]:.3g} -> {points[-1][0]:.3g}; "
-          f"suggested max lr {suggested:.3g}; wrote {args.output} and {json_path}")
+def suggest(points: list[RangePoint]) -> Suggestion:
+    """The steepest descent is looked for only up to the lowest point (a fall after a spike past
+    it is recovery, not progress), over steps of SLOPE_SPAN decades: the linear schedule packs
+    points densely at high lr, where the slope between neighbours would measure noise."""
+    lowest = min(range(len(points)), key=lambda i: points[i].smoothed_loss)
+    # the last point per lr: a staircase holds each lr for several iterations
+    by_lr = {math.log10(p.lr): p.smoothed_loss for p in points[:lowest + 1]}
+    log_lrs, losses = np.array(list(by_lr)), np.array(list(by_lr.values()))
+    if len(log_lrs) < 2:
+        return Suggestion(None, points[lowest].lr)
+    grid = np.arange(log_lrs[0], log_lrs[-1], SLOPE_SPAN)  # whole steps only: a sliver at the end is noise
+    if len(grid) < 2:
+        grid = log_lrs[[0, -1]]
+    slopes = np.diff(np.interp(grid, log_lrs, losses)) / np.diff(grid)
+    steepest = int(np.argmin(slopes))
+    return Suggestion(10 ** float(grid[steepest]) if slopes[steepest] < 0 else None, points[lowest].lr)

@@ -28,6 +28,8 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 class AnnealingLR:
+    kind = "AnnealingLR"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -79,8 +81,18 @@ class AnnealingLR:
         self.num_steps += self.increment
         self._apply()
 
+    def resume_at(self, steps_taken: int) -> None:
+        """Continue a run that another kind of schedule drove for `steps_taken` optimizer steps."""
+        self.num_steps = steps_taken * self.increment
+        self._apply()
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
+                "decay_steps": self.decay_steps, "decay_style": self.decay_style}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps}
+        return {"kind": self.kind, "settings": self.settings, "num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_steps = int(state["num_steps"])
@@ -102,20 +114,30 @@ def _nearest(name: str, choices: Sequence[str]) -> str:
     return f" (did you mean {by_lower[match[0]]!r}?)" if match else ""
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str, params: dict[str, Any]) -> Schedule:
-    """Build the schedule a config's `"scheduler": {"type", "params"}` names; bad input is a ConfigError."""
+def scheduler_parameters(type_name: str, params: dict[str, Any]) -> dict[str, inspect.Parameter]:
+    """Check a config's `"scheduler"` names (type and parameters) without building it, so a typo
+    stops the run before any work; returns the schedule's parameters."""
     if type_name not in SCHEDULES:
         raise ConfigError(f"unknown scheduler type {type_name!r}{_nearest(type_name, list(SCHEDULES))}; "
                           f"use one of {', '.join(SCHEDULES)}")
-    cls = SCHEDULES[type_name]
-    signature = inspect.signature(cls.__init__).parameters
-    allowed = [name for name in signature if name not in ("self", "optimizer")]
+    signature = inspect.signature(SCHEDULES[type_name].__init__).parameters
+    allowed = {name: parameter for name, parameter in signature.items() if name not in ("self", "optimizer")}
     unknown = [key for key in params if key not in allowed]
     if unknown:
-        hints = "".join(_nearest(key, allowed) for key in unknown)
+        hints = "".join(_nearest(key, list(allowed)) for key in unknown)
         raise ConfigError(f"scheduler {type_name} has no parameter {', '.join(map(repr, unknown))}{hints}; "
                           f"allowed: {', '.join(allowed)}")
-    missing = [name for name in allowed if signature[name].default is inspect.Parameter.empty and name not in params]
+    missing = [name for name, parameter in allowed.items()
+               if parameter.default is inspect.Parameter.empty and name not in params]
     if missing:
         raise ConfigError(f"scheduler {type_name} needs {', '.join(missing)} in its params")
-    return cls(optimizer, **params)
+    return allowed
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str, params: dict[str, Any]) -> Schedule:
+    """Build the schedule a config's `"scheduler": {"type", "params"}` names; bad input is a ConfigError."""
+    allowed = scheduler_parameters(type_name, params)
+    schedule = SCHEDULES[type_name](optimizer, **params)
+    given = {**{name: parameter.default for name, parameter in allowed.items()}, **params}  # required ones are in params
+    schedule.settings = {name: given[name] for name in allowed if name != "last_batch_iteration"}
+    return schedule

@@ -21,6 +21,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # run as a script: make `megatron` and `tasks` importable
     sys.path.insert(0, ROOT)
 
+from megatron.config.parser import FlagParser, non_negative_int, positive_float, positive_int  # noqa: E402
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.checkpoint_model import (  # noqa: E402
@@ -39,14 +40,14 @@ LOCAL_TASKS = {"lambada_local": (("text",), last_word_accuracy),
 INSTALL_HINT = "lm-eval is not installed; install it with `pip install .[eval]` (or `pip install lm-eval`)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Evaluate a checkpoint with lm-eval.", allow_abbrev=False)
+def build_parser() -> FlagParser:
+    parser = FlagParser(description="Evaluate a checkpoint with lm-eval.")
     add_load_args(parser)
     g = parser.add_argument_group("evaluation (lm-eval's flags)")
     g.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. lambada_local,piqa_local")
-    g.add_argument("--num_fewshot", "--num-fewshot", type=int, default=0)
-    g.add_argument("--batch_size", "--batch-size", type=int, default=8)
-    g.add_argument("--limit", type=float, default=None, help="at most N examples per task (below 1: a fraction)")
+    g.add_argument("--num_fewshot", "--num-fewshot", type=non_negative_int, default=0)
+    g.add_argument("--batch_size", "--batch-size", type=positive_int, default=8)
+    g.add_argument("--limit", type=positive_float, default=None, help="at most N examples per task (below 1: a fraction)")
     g.add_argument("--output_path", "--output-path", default="eval_results", help="folder for results.json and results.md")
     g.add_argument("--task-data-dir", default=str(HERE / "data"), help="folder of TASK.jsonl for the local tasks")
     return parser
@@ -117,8 +118,7 @@ def evaluate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local task files only: never wait on a hub
-    args = build_parser().parse_args(argv)
-    run_entry_point(lambda: evaluate(args))
+    run_entry_point(lambda: evaluate(build_parser().parse_args(argv)))
 
 
 if __name__ == "__main__":
