@@ -139,7 +139,7 @@ def test_bad_flags_stop_with_one_sentence_naming_the_flag(extra, message):
 def test_help_shows_every_default():
     text = " ".join(build_parser().format_help().split())
     for expected in ("--weight-decay WEIGHT_DECAY (default: 0.01)", "--split SPLIT (default: 969,30,1)",
-                     "--topk TOPK (default: 1)", "(default: learned_absolute)"):
+                     "--topk TOPK (default: 1)", "(default: learned_absolute)", "--min-lr MIN_LR (default: 0.0)"):
         assert expected in text
 
 

@@ -14,17 +14,22 @@ from typing import Any, NoReturn
 from megatron.errors import ConfigError
 
 
+def _no_default(action: argparse.Action) -> bool:
+    """Nothing worth showing: no value, an off switch, or a suppressed default (0 and 0.0 are shown)."""
+    return action.default is None or action.default is False or action.default == argparse.SUPPRESS
+
+
 class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """argparse adds "(default: X)" only to flags that have a help text; give it to all of them,
     except where there is no default to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if _no_default(action):
             return action.help
         return super()._get_help_string(action)
 
     def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+        if action.help is None and action.option_strings and not _no_default(action):
             action = copy.copy(action)
             action.help = "(default: %(default)s)"
         return super()._format_action(action)
