@@ -27,7 +27,7 @@ def run(corpus: str, precision: str, iters: int, micro_batch: int, shape: dict, 
                          eval_iters=1, log_interval=max(1, iters // 4), num_workers=2, lr=3e-4, min_lr=3e-5,
                          max_position_embeddings=shape["seq_length"], split="100,0,0", **shape, **extra)
     trainer = Trainer(config, build_parallel_grid())
-    data_iter = trainer._loader(trainer.train_data, 0)
+    data_iter = trainer.loader(trainer.train_data, 0)
     warmup = 3
     for _ in range(warmup):
         trainer.train_step(data_iter)

@@ -77,7 +77,7 @@ def train_and_sample(variant: str, corpus: str, iterations: int) -> dict[str, li
     config = tiny_config(corpus, train_iters=iterations, **overrides)
     with redirect_stdout(io.StringIO()):
         trainer = Trainer(config, build_parallel_grid(torch.device("cpu")))
-    data_iter = trainer._loader(trainer.train_data, 0)
+    data_iter = trainer.loader(trainer.train_data, 0)
     rss, seconds = [], []
     for iteration in range(1, iterations + 1):
         start = time.perf_counter()

@@ -48,11 +48,11 @@ def measure(name: str, shape: dict, corpus: str, steps: int, rounds: int) -> dic
                          micro_batch_size=shape["micro_batch_size"])
     with redirect_stdout(io.StringIO()):
         trainer = Trainer(config, build_parallel_grid(torch.device("cpu")))
-    data_iter = trainer._loader(trainer.train_data, 0)
+    data_iter = trainer.loader(trainer.train_data, 0)
     bare_model = type(trainer.engine.module)(trainer.model_config)
     bare_model.load_state_dict(trainer.engine.module.state_dict())
     bare_optimizer = build_optimizer(bare_model, config.runtime_config(1))
-    fixed_batch = trainer._batch(trainer._loader(trainer.train_data, 0))
+    fixed_batch = trainer._batch(trainer.loader(trainer.train_data, 0))
     ours_times, bare_times = [], []
     for _ in range(2):  # warm-up, not timed
         trainer.train_step(data_iter)
