@@ -1,13 +1,63 @@
 # `make demo`: install, build a corpus, tokenizer and dataset, train a small model and generate from it.
 # `make test`: install and run the test suite.
-PYTHON ?= python3
+#
+# Everything is installed into a virtual environment, .venv/ (created on first use with
+# $(BASE_PYTHON) -m venv), so a system Python that refuses pip installs (PEP 668,
+# "externally-managed-environment") is never touched. With a virtual environment already active
+# (VIRTUAL_ENV set) that one is used instead; `make PYTHON=/path/to/python ...` picks any interpreter.
+#
+# torch is installed first, only when the interpreter has none: the CPU build where no
+# nvidia-smi is on PATH, the default (CUDA) build where one is. Choose by hand with
+# TORCH_VARIANT=cpu|cuda, or point TORCH_INDEX_URL at any index (empty: pip's default index).
+BASE_PYTHON ?= python3
+VENV ?= .venv
+# PYTHON only from make's command line: a PYTHON in the environment (some tools, node-gyp among
+# them, want one) must not send pip to the system interpreter.
+ifneq ($(origin PYTHON),command line)
+ifdef VIRTUAL_ENV
+PYTHON := $(VIRTUAL_ENV)/bin/python
+else
+PYTHON := $(VENV)/bin/python
+endif
+endif
 DEMO_DIR ?= demo_output
+
+TORCH_VERSION ?= 2.13.0
+TORCH_VARIANT ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+ifeq ($(TORCH_VARIANT),cpu)
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+else ifeq ($(TORCH_VARIANT),cuda)
+TORCH_INDEX_URL ?=
+else
+$(error TORCH_VARIANT=$(TORCH_VARIANT) is not one of cpu, cuda; pass TORCH_VARIANT=cpu or TORCH_VARIANT=cuda)
+endif
+# The build's own index is asked for torch alone (--no-deps: one page, short timeouts, so an index
+# that does not answer costs seconds, not minutes of retries); the second pip then takes torch's
+# dependencies from pip's default index, or torch itself where the first one failed.
+TORCH_PIP_TIMEOUT ?= 10
+ifneq ($(strip $(TORCH_INDEX_URL)),)
+INSTALL_TORCH = { $(PYTHON) -m pip install --no-deps --timeout $(TORCH_PIP_TIMEOUT) --retries 1 \
+	  --index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION) \
+	  || echo "note: $(TORCH_INDEX_URL) did not serve torch==$(TORCH_VERSION); trying pip's default index (on Linux x86_64 that is a CUDA build of several GB)"; } \
+	&& $(PYTHON) -m pip install torch==$(TORCH_VERSION)
+else
+INSTALL_TORCH = $(PYTHON) -m pip install torch==$(TORCH_VERSION)
+endif
 
 .PHONY: install demo test
 
-install:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install --quiet -e ".[test]"
+# The virtual environment, unless PYTHON points elsewhere. A failed `venv` (Debian without the
+# python3-venv package) leaves a half-made folder: remove it, so the next run tries again.
+$(VENV)/bin/python:
+	@echo "$(BASE_PYTHON) -m venv $(VENV)"
+	@$(BASE_PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	  echo "error: could not create the virtual environment $(VENV) with $(BASE_PYTHON) -m venv; install Python's venv module (Debian/Ubuntu: apt-get install python3-venv) or activate a virtual environment first." >&2; \
+	  exit 1; }
+
+install: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== installing torch $(TORCH_VERSION), $(TORCH_VARIANT) build"; $(INSTALL_TORCH); }
+	@echo "== installing megatron-moe and its dependencies; compiling its C++ ops takes about half a minute"
+	$(PYTHON) -m pip install -e ".[test]"
 
 demo: install
 	DEMO_DIR=$(DEMO_DIR) PYTHON=$(PYTHON) bash examples_deepspeed/pretrain_gpt_demo.sh
