@@ -53,7 +53,7 @@ setup(
         "torch>=2.4",
         "numpy",
         "sentencepiece",
-        "datasets",
+        "datasets",  # brings pyarrow, which reads Parquet corpora (megatron/data/corpus_reader.py)
         "tensorboard",
         "safetensors",
         "pydantic>=2",

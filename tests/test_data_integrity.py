@@ -1,4 +1,4 @@
-"""Data integrity by fault injection (issue 13): damaged .idx/.bin files and index caches.
+"""Data integrity by fault injection (issues 13 and 14): damaged .idx/.bin files and index caches.
 
 Every fault here is made by changing bytes on disk, then the public API is asked to open or read
 the data. A damaged .idx or a wrong token id must stop with a DataError that names the file (or
@@ -121,6 +121,96 @@ def test_index_errors_say_what_is_wrong(tmp_path, offset, values, message):
     (tmp_path / "d.idx").write_bytes(bytes(index))
     with pytest.raises(DataError, match=message):
         MMapIndexedDataset(prefix)
+
+
+def at(offset: int, value: np.ndarray):
+    """A damage that writes `value` over the bytes at `offset`."""
+    return lambda data: data[:offset] + value.tobytes() + data[offset + value.nbytes :]
+
+
+FILE_PAIR = r"; the pair does not belong together or one is truncated, so regenerate both with tools/preprocess_data"
+BAD_DOC_IDX = r"d\.idx has a corrupt document index \(it must start at 0, never decrease and end at 4\); "
+
+
+# One kind of damage per row, to every field of the header and the arrays (same layout as above,
+# pointers scaled by the token size) and to the .bin: each stops the open with its own sentence.
+@pytest.mark.parametrize(
+    "dtype, suffix, damage, message",
+    [
+        pytest.param(np.uint16, ".idx", at(0, np.frombuffer(b"X", np.uint8)), r"d\.idx is not a Megatron mmap index "
+                     r"\(bad magic bytes\); regenerate it", id="magic"),
+        pytest.param(np.uint16, ".idx", at(9, np.array([2], np.uint64)), r"d\.idx has index version 2, but only "
+                     r"version 1 is supported; regenerate it", id="version"),
+        pytest.param(np.int32, ".idx", at(17, np.array([7], np.uint8)), r"d\.idx declares unknown dtype code 7 "
+                     r"\(token codes: 1, 2, 3, 4, 5, 8\); the file is corrupt, regenerate it", id="float32 code"),
+        pytest.param(np.int64, ".idx", at(17, np.array([6], np.uint8)), r"declares unknown dtype code 6 ",
+                     id="float64 code"),
+        pytest.param(np.uint16, ".idx", at(17, np.array([4], np.uint8)), r"d\.idx says sequence 1 starts at byte 6 "
+                     r"of the \.bin file, but the sizes before it put it at byte 12" + FIX, id="wider dtype code"),
+        pytest.param(np.uint16, ".idx", at(18, np.array([6, 1], np.uint64)), r"says sequence 0 starts at byte 6 .* "
+                     r"at byte 0" + FIX, id="counts shifted, file size kept"),
+        pytest.param(np.uint16, ".idx", at(18, np.array([2**40], np.uint64)), r"d\.idx is truncated: its header "
+                     r"declares 1099511627776 sequences", id="sequence count"),
+        pytest.param(np.uint16, ".idx", at(26, np.array([5], np.uint64)), r"d\.idx is truncated: .* 5 document "
+                     r"entries \(122 bytes\) but the file has 114 bytes", id="doc_idx count"),
+        pytest.param(np.int32, ".idx", at(74, np.array([10**6])), r"says sequence 3 starts at byte 1000000 .* at "
+                     r"byte 32" + FIX, id="last pointer"),
+        pytest.param(np.uint16, ".idx", at(74, np.array([-2])), r"says sequence 3 starts at byte -2 of",
+                     id="negative pointer"),
+        pytest.param(np.uint16, ".idx", at(46, np.array([5], np.int32)), r"d\.bin has 20 bytes but .*d\.idx describes "
+                     r"26" + FILE_PAIR, id="last size"),
+        pytest.param(np.uint16, ".idx", at(82, np.array([1])), BAD_DOC_IDX, id="doc_idx start"),
+        pytest.param(np.uint16, ".idx", at(106, np.array([5])), BAD_DOC_IDX, id="doc_idx end"),
+        pytest.param(np.uint16, ".idx", at(90, np.array([-1])), BAD_DOC_IDX, id="negative doc_idx"),
+        pytest.param(np.int32, ".bin", lambda data: data[:-4], r"d\.bin has 36 bytes but .*d\.idx describes 40"
+                     + FILE_PAIR, id=".bin short of a token"),
+        pytest.param(np.uint16, ".bin", lambda data: data + b"\0", r"d\.bin has 21 bytes", id=".bin a byte long"),
+        pytest.param(np.uint16, ".bin", lambda data: b"", r"d\.bin has 0 bytes", id=".bin empty"),
+    ],
+)
+def test_every_kind_of_damage_is_caught_at_open(tmp_path, dtype, suffix, damage, message):
+    prefix = write_dataset(tmp_path / "d", dtype=dtype)
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError, match=message):
+        MMapIndexedDataset(prefix)
+
+
+def opens_and_reads_as_before(prefix: str, expected: tuple) -> bool:
+    """False when the open stops with a DataError naming the file and the fix; True when it opens and
+    reads as `expected` (sizes, pointers, tokens); anything else fails the test."""
+    try:
+        opened = MMapIndexedDataset(prefix)
+    except DataError as e:
+        assert f"{prefix}.idx" in str(e) and "tools/preprocess_data.py" in str(e), str(e)
+        return False
+    assert (opened.sizes.tolist(), opened.pointers.tolist(), tokens_of(opened)) == expected
+    return True
+
+
+# int16 reads DOCUMENTS' ids (all below 2**15) as uint16 does: the only other code that opens.
+@pytest.mark.parametrize("dtype, codes_that_open", [(np.uint16, {3, 8}), (np.int32, {4}), (np.int64, {5})])
+def test_no_damaged_index_that_opens_reads_other_tokens(tmp_path, dtype, codes_that_open):
+    """Every value of the dtype code, then 2000 random overwrites of 1-8 bytes anywhere in the .idx:
+    the open stops with a DataError naming the file and the fix, or the data set reads exactly as
+    before. Nothing is left to fail later, when the samples are read."""
+    prefix = write_dataset(tmp_path / "d", dtype=dtype)
+    index_file = tmp_path / "d.idx"
+    original = index_file.read_bytes()
+    reference = MMapIndexedDataset(prefix)
+    expected = (reference.sizes.tolist(), reference.pointers.tolist(), tokens_of(reference))
+    opened = set()
+    for code in range(256):
+        index_file.write_bytes(at(17, np.array([code], np.uint8))(original))
+        if opens_and_reads_as_before(prefix, expected):
+            opened.add(code)
+    assert opened == codes_that_open
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        length = int(rng.integers(1, 9))
+        damage = at(int(rng.integers(0, len(original) - length + 1)), rng.integers(0, 256, length, np.uint8))
+        index_file.write_bytes(damage(original))
+        opens_and_reads_as_before(prefix, expected)
 
 
 def flat_documents() -> list[int]:

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, DataError
 from megatron.inference.checkpoint_model import LoadedModel, load_model
 from megatron.inference.generation import generate_until
+from megatron.inference.jsonl import read_jsonl
 from megatron.inference.local_tasks import (
     last_word_accuracy,
     two_choice_accuracy,
@@ -280,3 +281,15 @@ def test_lm_eval_adapter_agrees_with_the_local_scorer(tmp_path):
     assert results["lambada_local"]["acc,none"] == pytest.approx(last_word_accuracy(model, tokenizer, lambada))
     rolling = MegatronLM(loaded).loglikelihood_rolling([type("Request", (), {"args": ("hello world",)})()])
     assert rolling[0] == pytest.approx(rolling_loglikelihoods(model, [tokenizer.tokenize("hello world")], 256)[0])
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"text": "a"}\n{"text": "b"\n', r"t.jsonl line 2 is not valid JSON"),
+    (b'{"text": "a"}\n\n{"other": 1}\n', r"t.jsonl line 3 lacks text; every line needs text"),
+    (b'{"text": "a \xff"}\n', r"t.jsonl line 1 holds text that is not valid UTF-8"),
+    (b'[1, 2]\n', r"t.jsonl line 1 is a list, not a JSON object"),
+])
+def test_evaluation_jsonl_errors_name_the_line(tmp_path, content, message):
+    (tmp_path / "t.jsonl").write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        read_jsonl(tmp_path / "t.jsonl", ("text",))

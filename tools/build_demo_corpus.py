@@ -1,12 +1,19 @@
 """Build the demo corpus from the Python standard library's own source files on this machine:
 real text, nothing downloaded, nothing copied into the repository. One JSON line per file."""
 
-import argparse
+import importlib.util
 import json
+import os
+import sys
 import sysconfig
 from pathlib import Path
 
 from tqdm import tqdm
+
+if importlib.util.find_spec("megatron") is None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.config.parser import FlagParser, positive_float  # noqa: E402
+from megatron.entry_point import run_entry_point  # noqa: E402
 
 SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 
@@ -19,9 +26,13 @@ def stdlib_sources() -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    run_entry_point(build)
+
+
+def build() -> None:
+    parser = FlagParser(description=__doc__)
     parser.add_argument("--output", required=True, help="JSONL file to write")
-    parser.add_argument("--max-megabytes", type=float, default=8.0, help="stop after this much text")
+    parser.add_argument("--max-megabytes", type=positive_float, default=8.0, help="stop after this much text")
     args = parser.parse_args()
     budget = int(args.max_megabytes * 2**20)
     written = files = 0

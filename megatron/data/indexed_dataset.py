@@ -10,8 +10,9 @@ The byte layout is Megatron-LM's, so files written here load there and the other
 `pointers` are byte offsets of each sequence in .bin; `doc_idx` lists the sequence at which each
 document starts, beginning with 0 and ending with num_sequences.
 
-Opening checks the whole index in a few vectorised passes: the exact file sizes, sizes >= 0,
-pointers that follow the sizes from byte 0 to the end of .bin, and a non-decreasing doc_idx.
+Opening checks the whole index in a few vectorised passes: an integer token dtype, the exact file
+sizes, sizes >= 0, pointers that follow the sizes from byte 0 to the end of .bin, and a doc_idx
+that runs from 0 to num_sequences without decreasing.
 """
 
 import os
@@ -25,14 +26,14 @@ _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, num sequences, num doc_idx
 
+# Megatron's codes for token dtypes. Its float codes (6: float64, 7: float32) are left out: token
+# ids are integers, and a float code over integer tokens reads every id as about 0 without a trace.
 DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
     2: np.dtype(np.int8),
     3: np.dtype(np.int16),
     4: np.dtype(np.int32),
     5: np.dtype(np.int64),
-    6: np.dtype(np.float64),
-    7: np.dtype(np.float32),
     8: np.dtype(np.uint16),
 }
 _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
@@ -64,7 +65,7 @@ def _dtype_code(dtype: np.dtype, where: str) -> int:
     code = _CODE_OF_DTYPE.get(np.dtype(dtype))
     if code is None:
         supported = ", ".join(str(d) for d in DTYPE_CODES.values())
-        raise DataError(f"{where}: token dtype {np.dtype(dtype)} has no Megatron index code; use one of {supported}.")
+        raise DataError(f"{where}: {np.dtype(dtype)} is not a token dtype; use one of {supported}.")
     return code
 
 
@@ -146,8 +147,8 @@ def _read_header(index_file: str) -> tuple[np.dtype, int, int]:
         )
     if code not in DTYPE_CODES:
         raise DataError(
-            f"{index_file} declares unknown dtype code {code} (known: 1-8); the file is corrupt, "
-            "regenerate it with tools/preprocess_data.py."
+            f"{index_file} declares unknown dtype code {code} (token codes: {', '.join(map(str, DTYPE_CODES))}); "
+            "the file is corrupt, regenerate it with tools/preprocess_data.py."
         )
     expected = _HEADER.size + num_sequences * (4 + 8) + num_doc_idx * 8
     index_size = os.path.getsize(index_file)

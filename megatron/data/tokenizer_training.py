@@ -1,42 +1,41 @@
-"""Train a SentencePiece tokenizer on plain-text or JSON-lines files (tools/train_tokenizer.py).
+"""Train a SentencePiece tokenizer on plain-text files or a corpus of records (tools/train_tokenizer.py).
 
-Plain text gives one sentence per non-empty line; .jsonl/.json gives the non-empty lines of the
---json-keys fields of each record (whole documents would exceed SentencePiece's sentence length
-and be skipped). Sentences are streamed to SentencePiece, so the corpus never has to fit in a list.
+Plain text gives one sentence per non-empty line; .jsonl/.json/.csv/.parquet give the non-empty
+lines of the --json-keys fields of each record, read and checked as tools/preprocess_data.py reads
+them (corpus_reader.py), so a bad row is one sentence naming its file and line (whole documents
+would exceed SentencePiece's sentence length and be skipped). Sentences are streamed to
+SentencePiece, so the corpus never has to fit in a list.
 """
 
 import argparse
-import json
 import os
-import sys
 from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from megatron.errors import DataError, UserError
+from megatron.config.parser import FlagParser, positive_float, positive_int
+from megatron.data.corpus_reader import READERS, corpus_rows, is_utf8, open_text, suffix
+from megatron.entry_point import run_entry_point
+from megatron.errors import DataError
 
-_JSON_SUFFIXES = (".jsonl", ".json")
+
+def _text_lines(path: str) -> Iterator[str]:
+    with open_text(path) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not is_utf8(line):
+                raise DataError(f"{path} line {number} is not valid UTF-8; fix the file's encoding.")
+            if line.strip():
+                yield line.rstrip("\r\n")
 
 
 def _read_sentences(path: str, json_keys: list[str]) -> Iterator[str]:
-    is_json = path.endswith(_JSON_SUFFIXES)
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(tqdm(f, desc=os.path.basename(path), unit=" lines"), start=1):
-            if not line.strip():
-                continue
-            if not is_json:
-                yield line.rstrip("\n")
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path} line {line_number} is not valid JSON ({e.msg}); fix the line or pass a plain-text file."
-                ) from e
-            for key in json_keys:
-                if not isinstance(row, dict) or key not in row:
-                    raise DataError(f"{path} line {line_number} has no {key!r} field; pass the right --json-keys.")
-                yield from (part for part in str(row[key] or "").splitlines() if part.strip())
+    if suffix(path) not in READERS:
+        yield from tqdm(_text_lines(path), desc=os.path.basename(path), unit=" lines")
+        return
+    for texts in tqdm(corpus_rows([path], json_keys, skip_invalid_utf8=False), desc=os.path.basename(path),
+                      unit=" rows"):
+        for text in texts or ():
+            yield from (part for part in (text or "").splitlines() if part.strip())
 
 
 def train_tokenizer(
@@ -91,32 +90,29 @@ def train_tokenizer(
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Train a SentencePiece tokenizer for tools/preprocess_data.py.")
+    parser = FlagParser(description="Train a SentencePiece tokenizer for tools/preprocess_data.py.")
     parser.add_argument(
-        "--input", nargs="+", required=True, help="plain-text files (one sentence per line) or .jsonl files"
+        "--input", nargs="+", required=True,
+        help="plain-text files (one sentence per line), or .jsonl/.json/.csv/.parquet corpora",
     )
-    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--vocab-size", type=positive_int, required=True)
     parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields read from .jsonl lines")
-    parser.add_argument("--character-coverage", type=float, default=0.9995)
-    parser.add_argument("--max-sentence-length", type=int, default=4192, help="longer sentences (in bytes) are skipped")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields read from each record")
+    parser.add_argument("--character-coverage", type=positive_float, default=0.9995)
+    parser.add_argument("--max-sentence-length", type=positive_int, default=4192,
+                        help="longer sentences (in bytes) are skipped")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _train(argv: list[str] | None) -> None:
     args = _parse_args(argv)
-    try:
-        path = train_tokenizer(
-            args.input,
-            args.vocab_size,
-            args.model_prefix,
-            args.model_type,
-            args.json_keys,
-            args.character_coverage,
-            args.max_sentence_length,
-        )
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    path = train_tokenizer(
+        args.input, args.vocab_size, args.model_prefix, args.model_type, args.json_keys,
+        args.character_coverage, args.max_sentence_length,
+    )
     print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_entry_point(lambda: _train(argv))

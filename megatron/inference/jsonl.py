@@ -1,10 +1,11 @@
-"""Reading JSONL documents (one JSON object per line) for evaluation, with errors that name the line."""
+"""Reading JSONL documents (one JSON object per line) for evaluation, with errors that name the
+line: the corpus reader's JSON lines (megatron/data/corpus_reader.py), each line holding every field."""
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from megatron.data.corpus_reader import READERS, is_utf8
 from megatron.errors import DataError
 
 
@@ -13,16 +14,11 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict[str, Any]
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist; pass a file with one JSON object per line")
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {number} is not JSON ({e}); write one JSON object per line") from e
-            missing = [name for name in fields if name not in doc]
-            if missing:
-                raise DataError(f"{path} line {number} lacks {', '.join(missing)}; every line needs {', '.join(fields)}")
-            docs.append(doc)
+    for where, doc in READERS[".jsonl"](str(path), list(fields)):
+        missing = [name for name in fields if name not in doc]
+        if missing:
+            raise DataError(f"{where} lacks {', '.join(missing)}; every line needs {', '.join(fields)}")
+        if not all(is_utf8(doc[name]) for name in fields if isinstance(doc[name], str)):
+            raise DataError(f"{where} holds text that is not valid UTF-8; fix the file's encoding")
+        docs.append(doc)
     return docs
