@@ -136,6 +136,11 @@ def test_bad_flags_stop_with_one_sentence_naming_the_flag(extra, message):
     assert "\n" not in str(caught.value)
 
 
+def test_megatron_override_scheduler_flag_is_accepted():
+    parse_args(BASE + ["--override-opt_param-scheduler"])
+    parse_args(BASE + ["--override-opt-param-scheduler"])
+
+
 def test_help_shows_every_default():
     text = " ".join(build_parser().format_help().split())
     for expected in ("--weight-decay WEIGHT_DECAY (default: 0.01)", "--split SPLIT (default: 969,30,1)",

@@ -246,6 +246,9 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--reset-iteration", action="store_true",
                    help="--load only the weights and start at iteration 0 with a fresh optimizer and LR schedule")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   help="accepted for Megatron scripts: this run's LR-schedule flags always win over the checkpoint's, "
+                        "with one line saying what changed")
     g.add_argument("--ckpt-step", type=positive_int, default=None, help="load this iteration instead of the one `latest` names")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="let a run that starts from scratch save into a --save folder that already holds checkpoints")
