@@ -4,6 +4,7 @@ Expected values come from the written rules, worked out by hand or by the naive 
 below, never from the router's own helpers.
 """
 
+import itertools
 import math
 
 import pytest
@@ -56,9 +57,19 @@ def assert_gating(g, l_aux, ids, gates, positions, tokens_per_expert):
     ((8, 4, 1, 1.0, 4), 4),      # min_capacity wins over 2
     ((3, 8, 1, 1.0, 0), 1),      # ceil(0.375)
     ((8, 4, 1, 1.5, 0), 3),      # exact 3.0
+    ((100, 1, 1, 1.1, 0), 110),  # DeepSpeed's float32 product: 110 exactly (float64 gives 110.00000000000001)
+    ((100, 2, 1, 1.2, 0), 61),   # and float32(1.2) x 50 rounds up past 60 (float64 gives 60)
 ])
 def test_capacity(args, expected):
     assert capacity(*args) == expected
+
+
+def test_capacity_equals_deepspeeds_float32_formula_everywhere():
+    """DeepSpeed: torch.ceil((num_tokens / num_experts) * torch.tensor(capacity_factor * k)), a float32 product."""
+    for tokens in range(1, 3000, 13):
+        for experts, k, factor in itertools.product((1, 2, 3, 8, 64), (1, 2, 4), (0.5, 1.0, 1.1, 1.2, 1.25, 1.3, 2.0)):
+            deepspeed = int(torch.ceil((tokens / experts) * torch.tensor(factor * k)))
+            assert capacity(tokens, experts, k, factor, 0) == deepspeed, (tokens, experts, k, factor)
 
 
 def test_top1_drops_later_tokens_of_overloaded_expert():

@@ -8,6 +8,8 @@ implementation sorts instead of building S x E x C one-hot tensors.
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,7 +27,10 @@ class Gating(NamedTuple):
 
 
 def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
-    return max(math.ceil(k * num_tokens / num_experts * capacity_factor), min_capacity)
+    """DeepSpeed's ceil(tokens / experts x (capacity_factor x k)), with its float32 product: in float64
+    the result differs by one for factors such as 1.1 and 1.2 (110 tokens' capacity from 100 x 1.1)."""
+    per_expert = np.float32(num_tokens / num_experts) * np.float32(capacity_factor * k)
+    return max(math.ceil(per_expert), min_capacity)
 
 
 def rank_within_group(group_ids_N: torch.Tensor, num_groups: int) -> torch.Tensor:
