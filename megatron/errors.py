@@ -9,8 +9,9 @@ class UserError(Exception):
     """A problem with the user's input (a flag, a file, a data set) that the user can fix."""
 
 
-class ConfigError(UserError):
-    """A flag or config value that is invalid or contradicts another."""
+class ConfigError(UserError, ValueError):
+    """A flag or config value that is invalid or contradicts another. Also a ValueError, which is
+    what DeepSpeed raises for a bad argument, so code written against DeepSpeed catches it."""
 
 
 class DataError(UserError):

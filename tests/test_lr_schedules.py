@@ -267,6 +267,8 @@ def test_resume_reads_schedule_states_saved_without_their_kind() -> None:
 def test_invalid_parameters_are_one_clear_config_error(type_name: str, params: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_scheduler(adam(), type_name, params)
+    with pytest.raises(ValueError, match=message):  # what DeepSpeed raises, so code written for it catches ours
+        build_scheduler(adam(), type_name, params)
 
 
 def test_registry_names_match_deepspeed() -> None:
