@@ -180,9 +180,9 @@ class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchang
         return tensor
 
     def free_cpu_locked_tensor(self, tensor):
-        """Drop the handle's reference; the memory is freed once no tensor uses it any more."""
-        if self._locked.pop(tensor.data_ptr(), None) is None:
-            raise ValueError("free_cpu_locked_tensor: the tensor was not made by this handle's new_cpu_locked_tensor")
+        """Drop the handle's reference (the memory is freed once no tensor uses it any more) and
+        return True; False, as DeepSpeed's handle, for a tensor this handle did not lock."""
+        return self._locked.pop(tensor.data_ptr(), None) is not None
 
 
 def _validate(tensor, path, file_offset):
