@@ -88,7 +88,7 @@ def valid_ep_sizes(config: GPTConfig, world_size: int) -> list[int]:
 
 
 def sizing_vocab(flags: dict[str, Any]) -> int:
-    """The padded vocabulary: from --vocab-size (GPT-2's is 50257) or else from the tokenizer files."""
+    """The padded vocabulary: from --vocab-size (GPT-2's is GPT2_VOCAB) or else from the tokenizer files."""
     raw = flags.get("vocab_size")
     if flags["tokenizer_type"] == "NullTokenizer" or raw is None:
         try:
@@ -97,7 +97,7 @@ def sizing_vocab(flags: dict[str, Any]) -> int:
                                   vocab_size=flags.get("vocab_size")).vocab_size
         except (DataError, OSError, TypeError, ValueError) as e:
             raise DataError(f"cannot read the tokenizer to size the vocabulary ({e}); "
-                            "give --vocab-size N (50257 for GPT-2) to size the model without its files") from e
+                            f"give --vocab-size N ({GPT2_VOCAB} for GPT-2) to size the model without its files") from e
     return padded_vocab_size(raw, flags["make_vocab_size_divisible_by"])
 
 
