@@ -46,7 +46,7 @@ BAD_CONFIGS = [
     ({"optimizer": {"params": {"eps": -1}}}, r"bad value -1 for 'optimizer.params.eps' .* greater than 0"),
     ({"optimizer": {"params": {"weight_decy": 0.1}}}, r"unknown key 'optimizer.params.weight_decy' .* 'weight_decay'"),
     ({"optimizer": {"type": "Adam", "params": {"max_coeff": 5}}}, r"max_coeff is not a parameter of Adam"),
-    ({"optimizer": {"type": "adamw"}}, r"'optimizer.type' .* 'Adam', 'AdamW' or 'Lamb'"),
+    ({"optimizer": {"type": "OneBitAdam"}}, r"'optimizer.type' .* 'Adam', 'AdamW' or 'Lamb'"),
     ({"train_batch_size": "8"}, r"bad value '8' for 'train_batch_size' .* valid integer"),
     ({"train_batch_size": True}, r"'train_batch_size' .* valid integer"),
     ({"train_batch_size": 0}, r"'train_batch_size' .* greater than or equal to 1"),
@@ -66,7 +66,7 @@ BAD_CONFIGS = [
      r"scheduler WarmupLR has no parameter 'warmup_num_step' \(did you mean 'warmup_num_steps'\?\)"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"scheduler WarmupDecayLR needs total_num_steps"),
     ({"tensorboard": {"enabled": True, "output_pth": "tb"}}, r"unknown key 'tensorboard.output_pth' .* 'output_path'"),
-    ("{\"fp16\": {\"enabled\": true,}}", r"cannot read the runtime config .*ds.json"),
+    ("{\"fp16\": {enabled: true}}", r"cannot read the runtime config .*ds.json"),
     ("[1, 2]", r"must hold a JSON object"),
 ]
 

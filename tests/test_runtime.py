@@ -134,7 +134,8 @@ def test_model_parameters_choose_what_the_built_optimizer_updates():
     model = small_model()
     engine = initialize(model, {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.1}}}, SINGLE,
                         model_parameters=model[2].parameters())
-    assert [len(g["params"]) for g in engine.optimizer.param_groups] == [1, 1]  # weight decayed, bias not
+    # as DeepSpeed builds it: the parameters given are one group, all decayed (bias too)
+    assert [(len(g["params"]), g["weight_decay"]) for g in engine.optimizer.param_groups] == [(2, 0.1)]
     engine.backward(engine(torch.randn(1, 8)).sum())
     first_layer = model[0].weight.detach().clone()
     engine.step()
@@ -142,6 +143,23 @@ def test_model_parameters_choose_what_the_built_optimizer_updates():
     with pytest.raises(ConfigError, match="an optimizer or model_parameters"):
         initialize(model, {"train_batch_size": 1}, SINGLE, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                    model_parameters=model.parameters())
+
+
+def test_parameter_groups_given_are_kept_as_given():
+    """DeepSpeed hands the caller's groups to the optimizer unchanged: their own learning rates and
+    weight decay, in their order; the config's values fill only what a group leaves out."""
+    model = small_model()
+    groups = [{"params": [model[0].bias, model[2].weight], "weight_decay": 0.0, "lr": 0.5},
+              {"params": [model[0].weight]}, {"params": [model[2].bias], "lr": 0.25}]
+    engine = initialize(model, {"train_batch_size": 1, "optimizer": {"params": {"lr": 0.1, "weight_decay": 0.01}}},
+                        SINGLE, model_parameters=groups)
+    kept = engine.optimizer.param_groups
+    assert [[id(p) for p in g["params"]] for g in kept] == [[id(p) for p in g["params"]] for g in groups]
+    assert [g["weight_decay"] for g in kept] == [0.0, 0.01, 0.01]
+    assert engine.get_lr() == [0.5, 0.1, 0.25]
+    default = initialize(small_model(), {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.01}}}, SINGLE)
+    # without model_parameters the toolkit's own grouping: matrices decayed, biases not
+    assert [(len(g["params"]), g["weight_decay"]) for g in default.optimizer.param_groups] == [(2, 0.01), (2, 0.0)]
 
 
 def test_engine_prints_progress_with_timings_and_writes_tensorboard(tmp_path, capsys):

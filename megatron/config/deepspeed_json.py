@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.errors import ConfigError
-from megatron.config.runtime_schema import read_config_file, validate_runtime_config
+from megatron.config.config_file import read_config_file
+from megatron.config.runtime_schema import validate_runtime_config
 
 JsonPath = tuple[str | int, ...]
 

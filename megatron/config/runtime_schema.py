@@ -7,39 +7,26 @@ give the third).
 """
 
 import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, ValidationError
 
+from megatron.config.config_file import read_config_file
+from megatron.config.deepspeed_keys import (
+    ActivationCheckpointingConfig, AioKeys, BF16Keys, FP16Keys, OffloadOptimizerKeys, OptimizerKeys, TopLevelKeys,
+    ZeroKeys, refuse_unbuilt,
+)
+from megatron.config.schema_types import Beta, Count, NonNegative, Positive, PositiveCount, ScalePower, Section
 from megatron.errors import ConfigError
-
-
-def _integral(value: Any) -> Any:
-    """DeepSpeed's configs write element counts like 5e8: a float with no fraction is that integer."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-Count = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
-PositiveCount = Annotated[int, BeforeValidator(_integral), Field(ge=1)]
-NonNegative = Annotated[float, Field(ge=0)]
-Positive = Annotated[float, Field(gt=0)]
-Beta = Annotated[float, Field(ge=0, lt=1)]
-# 2 ** power must stay a finite fp32 number (the largest power of two there is 2 ** 127)
-ScalePower = Annotated[int, BeforeValidator(_integral), Field(ge=0, le=127)]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 ADAM_ONLY = ("adam_w_mode", "amsgrad")
 LAMB_ONLY = ("max_coeff", "min_coeff")
 
 
-class OptimizerParams(_Section):
+class OptimizerParams(Section):
     """DeepSpeed's Adam/AdamW and Lamb parameters; only those given reach the optimizer, which
     supplies its own defaults (DeepSpeed's) for the rest."""
     lr: NonNegative = 1e-3
@@ -56,8 +43,18 @@ class OptimizerParams(_Section):
         return self.model_dump(include=self.model_fields_set)
 
 
-class OptimizerConfig(_Section):
-    type: Literal["Adam", "AdamW", "Lamb"] = "AdamW"
+OPTIMIZERS = ("Adam", "AdamW", "Lamb")
+
+
+def _optimizer_name(name: Any) -> Any:
+    """DeepSpeed reads its optimizer names in any case ("adamw", "ADAM")."""
+    if isinstance(name, str):
+        return next((known for known in OPTIMIZERS if known.lower() == name.lower()), name)
+    return name
+
+
+class OptimizerConfig(OptimizerKeys):
+    type: Annotated[Literal[OPTIMIZERS], BeforeValidator(_optimizer_name)] = "AdamW"
     params: OptimizerParams = OptimizerParams()
 
     def model_post_init(self, context: Any) -> None:
@@ -67,7 +64,7 @@ class OptimizerConfig(_Section):
             raise ValueError(f"{wrong[0]} is not a parameter of {self.type}; remove it or change optimizer.type")
 
 
-class FP16Config(_Section):
+class FP16Config(FP16Keys):
     enabled: bool = False
     loss_scale: NonNegative = 0.0  # 0 means dynamic
     initial_scale_power: ScalePower = 16
@@ -77,16 +74,16 @@ class FP16Config(_Section):
     min_loss_scale: Positive = 1.0
 
 
-class BF16Config(_Section):
+class BF16Config(BF16Keys):
     enabled: bool = False
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     type: str
     params: dict[str, Any] = {}
 
 
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(OffloadOptimizerKeys):
     """`offload_optimizer`: where the fp32 optimizer state lives. "cpu": host memory, stepped by
     the native CPU Adam; "nvme": Adam's moments in swap files under nvme_path, moved by the
     async-I/O op through `buffer_count` locked buffers (pipelined with pipeline_read/write)."""
@@ -99,7 +96,7 @@ class OffloadOptimizerConfig(_Section):
     fast_init: bool = False  # skip writing zeros to the swap files at start-up
 
 
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(Section):
     """`offload_param` (stage 3): where the parameter partitions (here: the fp32 master shards they
     are gathered from) live. "cpu": host memory, where CPU training keeps them anyway; "nvme":
     swap files under nvme_path, except the first `max_in_cpu` elements of each rank, read ahead of
@@ -112,7 +109,7 @@ class OffloadParamConfig(_Section):
     max_in_cpu: Count = 1_000_000_000
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(ZeroKeys):
     """DeepSpeed's `zero_optimization` block. Sizes count elements, as in DeepSpeed."""
     stage: Literal[0, 1, 2, 3] = 0
     # gradients are always views of one flat buffer here, so they are contiguous either way
@@ -122,9 +119,17 @@ class ZeroConfig(_Section):
     allgather_bucket_size: PositiveCount = 500_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only
     sub_group_size: PositiveCount = 1_000_000_000  # the unit of optimizer swapping (offload)
-    stage3_prefetch_bucket_size: Count = 50_000_000
-    stage3_param_persistence_threshold: Count = 100_000
-    stage3_max_live_parameters: PositiveCount = 1_000_000_000
+    # DeepSpeed reads these with or without the stage3_ prefix
+    stage3_prefetch_bucket_size: Count = Field(
+        50_000_000, validation_alias=AliasChoices("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
+    stage3_param_persistence_threshold: Count = Field(
+        100_000, validation_alias=AliasChoices("stage3_param_persistence_threshold", "param_persistence_threshold"))
+    stage3_max_live_parameters: PositiveCount = Field(
+        1_000_000_000, validation_alias=AliasChoices("stage3_max_live_parameters", "max_live_parameters"))
+    # Engine.save_16bit_model under stage 3 gathers the partitions only when asked to
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
+        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save"))
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 
@@ -150,7 +155,7 @@ class ZeroConfig(_Section):
         return min(self.reduce_bucket_size, self.allgather_bucket_size)
 
 
-class AioConfig(_Section):
+class AioConfig(AioKeys):
     """The async-I/O handle settings for NVMe swapping (DeepNVMe's names and defaults)."""
     block_size: PositiveCount = 1_048_576
     queue_depth: PositiveCount = 8
@@ -158,15 +163,19 @@ class AioConfig(_Section):
     single_submit: bool = False
     overlap_events: bool = True
 
+    def handle_settings(self) -> dict[str, Any]:
+        """The aio_handle constructor's arguments."""
+        return self.model_dump(exclude=set(AioKeys.model_fields))
 
-class TensorBoardConfig(_Section):
+
+class TensorBoardConfig(Section):
     """The engine's own scalars (loss, learning rate, loss scale by samples), DeepSpeed's layout."""
     enabled: bool = False
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
 
 
-class RuntimeConfig(_Section):
+class RuntimeConfig(TopLevelKeys):
     train_batch_size: PositiveCount | None = None
     train_micro_batch_size_per_gpu: PositiveCount | None = None
     gradient_accumulation_steps: PositiveCount | None = None
@@ -174,19 +183,36 @@ class RuntimeConfig(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = ZeroConfig()
     fp16: FP16Config = FP16Config()
-    bf16: BF16Config = BF16Config()
+    bf16: BF16Config = Field(BF16Config(), validation_alias=AliasChoices("bf16", "bfloat16"))
     gradient_clipping: NonNegative = 0.0  # 0: no clipping
+    # DeepSpeed's gradient averaging over data-parallel ranks: "sum" leaves the sum; with "mean",
+    # gradients are divided by the predivide factor before the all-reduce and by dp/factor after,
+    # or (prescale_gradients) by the data-parallel size before it
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(
+        lambda op: op.lower() if isinstance(op, str) else op)] = "mean"
+    prescale_gradients: bool = False
+    gradient_predivide_factor: Positive = 1.0
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     steps_per_print: Count = 10  # the engine's own progress line every N steps; 0: none
     wall_clock_breakdown: bool = False  # forward / backward / step times on that line
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     aio: AioConfig = AioConfig()
 
 
+def _key_names(section: type[BaseModel]) -> dict[str, str]:
+    """Every key a section accepts (field names and DeepSpeed's other spellings) -> its field."""
+    names = {name: name for name in section.model_fields}
+    for name, field in section.model_fields.items():
+        if isinstance(field.validation_alias, AliasChoices):
+            names.update((str(choice), name) for choice in field.validation_alias.choices)
+    return names
+
+
 def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     """The config section that a location inside the JSON points into (None where it leaves them)."""
     section: type[BaseModel] = RuntimeConfig
     for part in loc:
-        field = section.model_fields.get(str(part))
+        field = section.model_fields.get(_key_names(section).get(str(part), ""))
         if field is None:
             return None
         inner = [kind for kind in get_args(field.annotation) or (field.annotation,)
@@ -214,11 +240,14 @@ def explain(error: ValidationError, source: str) -> ConfigProblem:
     where = ".".join(str(part) for part in loc)
     if first["type"] == "extra_forbidden":
         section = _section_at(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), section.model_fields if section else [], n=1)
+        close = difflib.get_close_matches(str(loc[-1]), _key_names(section) if section else [], n=1)
         hint = f"did you mean {close[0]!r}?" if close else "remove it"
         return ConfigProblem(loc, None, hint, f"unknown key {where!r} in {source}; {hint}")
     if first["type"] == "missing":
         return ConfigProblem(loc, None, "missing", f"missing key {where!r} in {source}; add it")
+    if not loc:  # a rule across keys: its message names them
+        reason = first["msg"].removeprefix("Value error, ")
+        return ConfigProblem(loc, None, reason, f"{reason} (in {source})")
     message = first["msg"].removeprefix("Value error, ")
     reason = message[0].lower() + message[1:]
     value = first.get("input")
@@ -226,22 +255,14 @@ def explain(error: ValidationError, source: str) -> ConfigProblem:
     return ConfigProblem(loc, value, reason, f"bad value{given} for {where!r} in {source}: {reason}")
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read the runtime config {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"the runtime config {path} must hold a JSON object")
-    return config
-
-
 def validate_runtime_config(config: dict[str, Any], source: str = "the runtime config") -> RuntimeConfig:
     """Check a DeepSpeed-style config's keys and values (batch sizes not yet resolved)."""
     try:
-        return RuntimeConfig.model_validate(config)
+        validated = RuntimeConfig.model_validate(config)
     except ValidationError as exc:
         raise ConfigError(explain(exc, source).sentence) from None
+    refuse_unbuilt(validated, source)
+    return validated
 
 
 def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> RuntimeConfig:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
+from megatron.config.deepspeed_keys import no_effect_notes
 from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler
@@ -34,7 +35,7 @@ from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.tensors import (
     ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
-    optimizer_groups,
+    optimizer_groups, save_tensors,
 )
 from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
 from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_state_entries
@@ -43,18 +44,20 @@ from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_s
 def build_optimizer(
     model: nn.Module, config: RuntimeConfig, model_parameters: Iterable[Any] | None = None, rank: int = 0,
 ) -> torch.optim.Optimizer:
-    """The config's optimizer over `model_parameters` (parameters, or DeepSpeed-style groups of
-    them), by default the model's trainable parameters with weight decay on matrices only: biases
-    and norm weights are not decayed."""
+    """The config's optimizer over `model_parameters` as DeepSpeed builds it: groups of parameters
+    kept as given, or a list of parameters as one group. Without them: the model's trainable
+    parameters with weight decay on matrices only (biases and norm weights are not decayed)."""
     params = config.optimizer.params.given()  # the optimizer's own defaults are DeepSpeed's
     weight_decay = params.pop("weight_decay", 0.0)
     adam_w_mode = params.pop("adam_w_mode", True)
-    given = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    if given and isinstance(given[0], dict):
+    given = list(model_parameters) if model_parameters is not None else []
+    if given and not isinstance(given[0], dict):
+        given = [{"params": given}]
+    if given:
         groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in given]
         groups = [{"weight_decay": weight_decay, **g} for g in groups]
     else:
-        trainable = [p for p in given if p.requires_grad]
+        trainable = [p for p in model.parameters() if p.requires_grad]
         # a stacked expert tensor has one leading dimension more than the tensor of one expert
         is_matrix = {p: p.dim() - (expert_ids(p) is not None) >= 2 for p in trainable}
         groups = [
@@ -116,6 +119,18 @@ def build_loss_scaler(config: RuntimeConfig) -> DynamicLossScaler | StaticLossSc
     )
 
 
+def gradient_averaging(config: RuntimeConfig, dp_size: int) -> tuple[float, float]:
+    """DeepSpeed's averaging over data-parallel ranks as (divisor before the all-reduce, divisor
+    after it): the predivide factor and dp/factor, or dp and 1 with prescale_gradients, or no
+    division at all with gradient_allreduce_op "sum"."""
+    if config.gradient_allreduce_op == "sum":
+        return 1.0, 1.0
+    if config.prescale_gradients:
+        return float(dp_size), 1.0
+    factor = config.gradient_predivide_factor
+    return factor, dp_size / factor
+
+
 class Engine:
     def __init__(
         self,
@@ -150,6 +165,9 @@ class Engine:
             lr_scheduler = build_scheduler(self.optimizer, config.scheduler.type, config.scheduler.params)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = build_loss_scaler(config)
+        # the division before the all-reduce rides on backward's loss multiplier, as the loss
+        # scale does; the rest folds into the step's single multiply
+        self.grad_predivisor, self.grad_postdivisor = gradient_averaging(config, parallel.dp_size)
         self.gradient_accumulation_steps = config.gradient_accumulation_steps or 1
         self.autocast_dtype = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -165,6 +183,12 @@ class Engine:
         self.last_nonfinite: NonFiniteStep | None = None  # which ranks saw what, when the last step was skipped
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=parallel.device)  # no sync per micro-batch
         self.monitor = EngineMonitor(config, parallel.is_first_rank, parallel.device)
+        if config.activation_checkpointing.cpu_checkpointing and parallel.device.type != "cpu":
+            raise ConfigError("activation_checkpointing.cpu_checkpointing (checkpointed activations moved to host "
+                              "memory) is not built for accelerators; set it to false")
+        if parallel.is_first_rank:
+            for line in no_effect_notes(config):
+                print(line, flush=True)
         self._broadcast_parameters()
         self.zero_stage = config.zero_optimization.stage
         # from here on the optimizer's groups hold this rank's shards, not the model's parameters
@@ -208,7 +232,7 @@ class Engine:
         self.monitor.record_loss(loss)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach()).all()
         self.monitor.start("backward")
-        scale = self.loss_scaler.scale
+        scale = self.loss_scaler.scale / self.grad_predivisor
         if self.zero is not None:
             self.zero.before_backward(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1.0 else loss).backward()
@@ -294,7 +318,7 @@ class Engine:
         self.monitor.start("step")
         dense_grads, expert_grads = self._reduce_gradients()
         grads = dense_grads + expert_grads
-        divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.parallel.dp_size
+        divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.grad_postdivisor
         sq_norm, grads_nonfinite = self._global_sq_norm(dense_grads, expert_grads)
         grad_norm = math.sqrt(sq_norm) / divisor
         self.last_grad_norm = grad_norm
@@ -355,6 +379,35 @@ class Engine:
         """Write `save_dir/tag/` with its manifest, atomically (megatron/checkpoint/save.py): a crash
         mid-save leaves any earlier checkpoint untouched."""
         return save_folder(self.checkpoint_state(client_state), Path(save_dir) / tag, run)
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors") -> bool:
+        """DeepSpeed's consolidated weights: every parameter whole, in the training precision (bf16
+        or fp16; fp32 without either), experts by global id, in one safetensors file written by
+        the first rank. Under ZeRO-3 only with stage3_gather_16bit_weights_on_model_save, as in
+        DeepSpeed: without it nothing is written and the answer is False."""
+        if not save_filename.endswith(".safetensors"):
+            raise ConfigError(f"save_16bit_model writes safetensors (nothing here is pickled); name the file "
+                              f"{Path(save_filename).stem}.safetensors instead of {save_filename}")
+        grid, path = self.parallel, Path(save_dir) / save_filename
+        if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            if grid.is_first_rank:
+                print(f" > did not save {path}: ZeRO-3 holds partitions and "
+                      "zero_optimization.stage3_gather_16bit_weights_on_model_save is false", flush=True)
+            return False
+        dtype = self.autocast_dtype or torch.float32
+        with self.whole_parameters():
+            owned = model_entries(self.module, owns_dense=grid.is_first_rank, owns_experts=grid.expert_dp_rank == 0)
+            owned = {name: t.to(dtype, copy=True) if t.is_floating_point() else t.clone() for name, t in owned.items()}
+        pieces = [owned]
+        if grid.world_size > 1:
+            pieces = [{}] * grid.world_size if grid.is_first_rank else None
+            dist.gather_object(owned, pieces, dst=0)
+        if grid.is_first_rank:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".partial")  # a crash leaves no half-written weights
+            save_tensors(partial, {name: t for piece in pieces for name, t in piece.items()})
+            partial.replace(path)
+        return True
 
     def load_checkpoint(
         self, load_dir: str | Path, tag: str, load_optimizer: bool = True, load_rng: bool = True, verify: bool = True,

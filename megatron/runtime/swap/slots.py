@@ -90,7 +90,7 @@ class IoSlot:
     names the swapped state in errors. Every read is checked when it is finished."""
 
     def __init__(self, aio: AioConfig, numel: int, what: str) -> None:
-        settings = aio.model_dump()
+        settings = aio.handle_settings()
         self.reader, self.writer = aio_handle(**settings), aio_handle(**settings)
         self.buffer = self.reader.new_cpu_locked_tensor(numel, torch.empty(0, dtype=torch.float32))
         self.what = what
