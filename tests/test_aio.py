@@ -140,6 +140,26 @@ def test_locked_tensor_is_aligned_and_freed(tmp_path):
     assert handle.free_cpu_locked_tensor(torch.zeros(4)) is False
 
 
+def test_is_pinned_for_locked_memory_and_its_views_only():
+    # DeepNVMe's meaning: no bounce copy needed, i.e. torch-pinned, or wholly inside a locked region
+    handle = aio.aio_handle()
+    locked = handle.new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.float32))
+    assert handle.is_pinned(locked) is True
+    assert handle.is_pinned(locked[10:20]) and handle.is_pinned(locked.view(torch.uint8)[1:])
+    assert handle.is_pinned(locked.view(10, 100).t())  # a strided view of the same bytes
+    assert handle.is_pinned(torch.zeros(1000)) is False
+    assert handle.is_pinned(torch.zeros(0)) is False
+    handle.free_cpu_locked_tensor(locked)
+    assert handle.is_pinned(locked) is False  # no longer the handle's locked memory
+
+
+@pytest.mark.cuda
+def test_is_pinned_for_torch_pinned_and_cuda_tensors():
+    handle = aio.aio_handle()
+    assert handle.is_pinned(torch.empty(16, pin_memory=True)) is True
+    assert handle.is_pinned(torch.empty(16, device="cuda")) is False
+
+
 def _locked_kib():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmLck:"))
@@ -199,6 +219,117 @@ def test_validate_detects_a_changed_file(tmp_path):
     with pytest.raises(OSError, match="validation failed") as raised:
         handle.wait()
     assert raised.value.errno == errno.EIO and raised.value.filename == str(path)
+
+
+def open_for_write(path, flags=0):
+    return os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+
+
+@pytest.mark.parametrize("nbytes", [0, 511, 4096, MiB + 7])
+@pytest.mark.parametrize("file_offset", [0, 8192, 100])
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_async_pwrite_through_a_file_descriptor(tmp_path, nbytes, file_offset, parallelism):
+    # DeepNVMe's overload async_pwrite(buffer, fd, file_offset): the bytes land at file_offset and
+    # the file keeps what lies before and beyond; the caller may close fd before wait().
+    handle = aio.aio_handle(block_size=64 * 1024, intra_op_parallelism=parallelism)
+    path = tmp_path / "t.bin"
+    original = random_bytes(2 * MiB, seed=5)
+    path.write_bytes(bytes(original.tolist()))
+    tensor = random_bytes(nbytes, seed=nbytes)
+    fd = open_for_write(path)
+    assert handle.async_pwrite(tensor, fd, file_offset) == 0
+    os.close(fd)
+    assert handle.wait() == 1
+    expected = bytearray(original.tolist())
+    expected[file_offset:file_offset + nbytes] = bytes(tensor.tolist())
+    assert path.read_bytes() == bytes(expected)
+    out = torch.zeros_like(tensor)
+    assert handle.sync_pread(out, path, file_offset) == 1 and torch.equal(out, tensor)
+
+
+def test_fd_write_from_locked_memory_extends_the_file(tmp_path):
+    handle = aio.aio_handle(intra_op_parallelism=2)
+    path = tmp_path / "t.bin"
+    tensor = handle.new_cpu_locked_tensor(3 * MiB, UINT8)
+    tensor.copy_(random_bytes(3 * MiB, seed=6))
+    fd = open_for_write(path)
+    try:
+        assert handle.async_pwrite(tensor, fd=fd, file_offset=4096) == 0  # DeepNVMe's keyword
+        assert handle.wait() == 1
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert len(data) == 4096 + 3 * MiB and data[:4096] == bytes(4096)
+    assert data[4096:] == bytes(tensor.tolist())
+
+
+def test_fd_with_deepspeeds_fast_writer_flags(tmp_path):
+    # DeepSpeed's FastFileWriter opens with O_DIRECT (and later O_APPEND); the bytes still land at
+    # file_offset, and an unaligned tail goes through buffered I/O beside the O_DIRECT descriptor.
+    handle = aio.aio_handle()
+    path = tmp_path / "t.bin"
+    first, second = random_bytes(MiB, seed=7), random_bytes(MiB + 3, seed=8)
+    fd = open_for_write(path, os.O_DIRECT)
+    handle.async_pwrite(first, fd, 0)
+    handle.wait()
+    os.close(fd)
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_APPEND)
+    handle.async_pwrite(second, fd, MiB)
+    handle.wait()
+    os.close(fd)
+    assert path.read_bytes() == bytes(first.tolist()) + bytes(second.tolist())
+
+
+@pytest.mark.parametrize("case", ["closed", "negative", "read_only"])
+def test_bad_file_descriptor_raises_ebadf_before_any_io(tmp_path, case):
+    # DeepSpeed hands a bad descriptor to io_submit unchecked (its assert aborts the process, or,
+    # compiled out, wait() waits forever); here it is an OSError naming it, and nothing is queued.
+    handle = aio.aio_handle()
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"x" * 10)
+    fd = {"closed": None, "negative": -1, "read_only": os.open(path, os.O_RDONLY)}[case]
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY)
+        os.close(fd)
+    try:
+        with pytest.raises(OSError) as raised:
+            handle.async_pwrite(random_bytes(4096), fd)
+    finally:
+        if case == "read_only":
+            os.close(fd)
+    assert raised.value.errno == errno.EBADF
+    assert raised.value.filename.startswith(f"file descriptor {fd}")
+    if case == "read_only":
+        assert str(path) in raised.value.filename and "open for reading only" in str(raised.value)
+    assert handle.wait() == 0
+    assert path.read_bytes() == b"x" * 10
+
+
+def test_fd_write_to_a_full_device_names_it():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("/dev/full does not exist on this machine")
+    handle = aio.aio_handle()
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # /dev/full refuses O_DIRECT
+            handle.async_pwrite(random_bytes(MiB), fd)
+        with pytest.raises(OSError) as raised:
+            handle.wait()
+    finally:
+        os.close(fd)
+    assert raised.value.errno == errno.ENOSPC and "/dev/full" in raised.value.filename
+
+
+def test_async_pwrite_takes_one_target(tmp_path):
+    handle = aio.aio_handle()
+    with pytest.raises(TypeError, match="exactly one"):
+        handle.async_pwrite(random_bytes(8), tmp_path / "t.bin", fd=3)
+    with pytest.raises(TypeError, match="exactly one"):
+        handle.async_pwrite(random_bytes(8))
+    with pytest.raises(TypeError):  # as DeepNVMe's, only async_pwrite takes a descriptor
+        handle.sync_pwrite(random_bytes(8), 3)
+    assert handle.wait() == 0
 
 
 def test_non_contiguous_tensor_is_rejected(tmp_path):

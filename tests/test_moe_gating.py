@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from megatron.errors import ConfigError
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.router import Router, capacity, topk_gating
 
@@ -144,6 +145,75 @@ def test_top3_drops_by_probability():
     l_aux = 4 * sum(me[e] * counts[e] / 4 for e in range(4)) / 3
     g = topk_gating(torch.tensor(logits, dtype=torch.float32), 3, 0.5, 1)
     assert_gating(g, l_aux, ids, gates, positions, counts)
+
+
+def test_top3_position_policy_keeps_earliest_tokens():
+    # The logits of test_top3_drops_by_probability, C = 2, with DeepSpeed's drop_policy="position":
+    # each expert keeps the first two tokens that chose it, whatever their probabilities.
+    logits = [[1, 2, 3, -5], [3, 1, 0.5, -5], [2, 3, -5, 1], [-5, 2.5, 3, 0]]
+    p = softmax_rows(logits)
+    # e0: t0, t1 kept, t2 dropped;  e1: t0, t1 kept, t2 and t3 dropped;  e2: t0, t1 kept, t3 dropped
+    # e3: t2, t3 kept
+    ids = [[2, 1, 0], [0, 1, 2], [1, 0, 3], [2, 1, 3]]
+    positions = [[0, 0, 0], [1, 1, 1], [-1, -1, 0], [-1, -1, 1]]
+    gates = [[p[s][e] / sum(p[s][e] for e in ids[s]) for e in ids[s]] for s in (0, 1)]
+    gates += [[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+    me = mean_gates(p)
+    counts = [3, 4, 3, 2]
+    l_aux = 4 * sum(me[e] * counts[e] / 4 for e in range(4)) / 3
+    g = topk_gating(torch.tensor(logits, dtype=torch.float32), 3, 0.5, 1, drop_policy="position")
+    assert_gating(g, l_aux, ids, gates, positions, counts)
+
+
+def naive_topk_position(logits, k, C):
+    """DeepSpeed's topkgating with drop_policy="position", one token at a time."""
+    S, E = len(logits), len(logits[0])
+    p = softmax_rows(logits)
+    ids, gates, pos, filled = [], [], [], [0] * E
+    for s in range(S):
+        chosen = sorted(range(E), key=lambda e: -p[s][e])[:k]
+        slots = [filled[e] if filled[e] < C else -1 for e in chosen]
+        for e in chosen:
+            filled[e] += 1
+        kept = [p[s][e] if slot >= 0 else 0.0 for e, slot in zip(chosen, slots)]
+        denom = max(sum(kept), EPS32)
+        ids.append(chosen)
+        gates.append([g / denom for g in kept])
+        pos.append(slots)
+    counts = [sum(row.count(e) for row in ids) for e in range(E)]
+    me = mean_gates(p)
+    return E * sum(me[e] * counts[e] / S for e in range(E)) / k, ids, gates, pos, counts
+
+
+@pytest.mark.parametrize("k, C", [(3, 13), (4, 17)])  # C = ceil(k * 50 / 6 * 0.5): 12.5 and 16.67
+def test_topk_position_policy_matches_naive_reference(k, C):
+    torch.manual_seed(20 + k)
+    logits = torch.randn(50, 6) * 1.5
+    logits[:, 0] += 1.0  # overload expert 0 so drops happen
+    expected = naive_topk_position(logits.tolist(), k, C)
+    assert any(-1 in row for row in expected[3])
+    g = topk_gating(logits, k, 0.5, 1, drop_policy="position")
+    assert_gating(g, *expected)
+    assert not torch.equal(g.positions, topk_gating(logits, k, 0.5, 1).positions)  # "probs" drops others
+
+
+def test_drop_policy_is_checked():
+    with pytest.raises(ConfigError, match="unknown MoE drop_policy 'tokens'"):
+        MoEConfig(topk=3, drop_policy="tokens")
+    with pytest.raises(ConfigError, match="applies to --topk 3 or more"):
+        MoEConfig(topk=2, drop_policy="position")
+    with pytest.raises(ValueError, match="unknown drop_policy"):  # DeepSpeed's topkgating raises ValueError
+        topk_gating(torch.zeros(4, 4), 3, 1.0, 1, drop_policy="tokens")
+
+
+def test_router_routes_by_the_configured_drop_policy():
+    torch.manual_seed(0)
+    config = MoEConfig(topk=3, eval_capacity_factor=0.5, min_capacity=1, drop_policy="position")
+    router = Router(16, 6, config).eval()
+    gating, logits = router(torch.randn(50, 16))
+    expected = naive_topk_position(logits.tolist(), 3, 13)  # C = ceil(3 * 50 / 6 * 0.5)
+    assert any(-1 in row for row in expected[3])
+    assert_gating(gating, *expected)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

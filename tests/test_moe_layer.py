@@ -39,10 +39,13 @@ def loop_reference(layer: MoELayer, x_BSH: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x_BSH)
 
 
-@pytest.mark.parametrize("k, drop, residual", [(1, True, False), (2, True, False), (3, False, False), (2, True, True)])
-def test_sort_dispatch_equals_per_token_loop(k, drop, residual):
+@pytest.mark.parametrize("k, drop, residual, drop_policy", [
+    (1, True, False, "probs"), (2, True, False, "probs"), (3, False, False, "probs"), (2, True, True, "probs"),
+    (3, True, False, "probs"), (3, True, False, "position"),
+])
+def test_sort_dispatch_equals_per_token_loop(k, drop, residual, drop_policy):
     config = MoEConfig(topk=k, drop_tokens=drop, use_rts=False, sample_second_expert=False, min_capacity=1,
-                       use_residual=residual)
+                       use_residual=residual, drop_policy=drop_policy)
     layer = make_layer(6, config, residual=residual)
     x = torch.randn(3, 10, H, requires_grad=True)
     grad = torch.randn(3, 10, H)

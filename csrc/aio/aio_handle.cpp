@@ -2,6 +2,7 @@
 
 #include <linux/magic.h>
 #include <sys/vfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -68,10 +69,10 @@ AioHandle::AioHandle(const IoConfig& config, unsigned threads)
 
 AioHandle::~AioHandle() = default;
 
-std::shared_ptr<FileOp> AioHandle::start(bool is_read, const std::string& path, char* buffer, size_t nbytes,
-                                         uint64_t file_offset)
+std::shared_ptr<FileOp> AioHandle::start(bool is_read, const std::string& path, int caller_fd, char* buffer,
+                                         size_t nbytes, uint64_t file_offset)
 {
-    auto op = std::make_shared<FileOp>(is_read, path, buffer, nbytes, file_offset);
+    auto op = std::make_shared<FileOp>(is_read, path, caller_fd, buffer, nbytes, file_offset);
     op->open_files();
 
     // Cut points between slices are page-aligned in the file, so only the first slice can have
@@ -114,14 +115,25 @@ bool AioHandle::claim_fallback_warning()
     return !std::exchange(fallback_warned_, true);
 }
 
-std::string file_system_name(const std::string& path)
+std::string file_system_name(int fd)
 {
     struct statfs info {};
-    if (statfs(path.c_str(), &info) != 0) return "unknown file system";
+    if (fstatfs(fd, &info) != 0) return "unknown file system";
     if (info.f_type == TMPFS_MAGIC) return "tmpfs";
     char name[32];
     std::snprintf(name, sizeof(name), "file system type 0x%lx", static_cast<unsigned long>(info.f_type));
     return name;
+}
+
+std::string describe_fd(int fd)
+{
+    std::string label = "file descriptor " + std::to_string(fd);
+    char target[4096];
+    const std::string link = "/proc/self/fd/" + std::to_string(fd);
+    const ssize_t length = readlink(link.c_str(), target, sizeof(target));
+    if (length > 0 && static_cast<size_t>(length) < sizeof(target))
+        label += " (" + std::string(target, static_cast<size_t>(length)) + ")";
+    return label;
 }
 
 }  // namespace megatron_aio

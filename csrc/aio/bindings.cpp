@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cerrno>
 #include <cstdint>
 
 #include "aio_handle.h"
@@ -20,14 +21,14 @@ py::object os_error(int code, const std::string& message, const std::string& pat
 }
 
 // Opens the file and queues the transfer with the GIL held (errors and the warning are Python's),
-// then waits without it.
-void transfer(AioHandle& handle, bool is_read, uintptr_t address, size_t nbytes, const std::string& path,
-              uint64_t file_offset, bool async_op)
+// then waits without it. caller_fd is -1 for a named file.
+void submit(AioHandle& handle, bool is_read, uintptr_t address, size_t nbytes, const std::string& path,
+            int caller_fd, uint64_t file_offset, bool async_op)
 {
-    auto op = handle.start(is_read, path, reinterpret_cast<char*>(address), nbytes, file_offset);
+    auto op = handle.start(is_read, path, caller_fd, reinterpret_cast<char*>(address), nbytes, file_offset);
     if (op->direct_refused && handle.claim_fallback_warning()) {
-        const std::string message = "O_DIRECT is not supported by the " + file_system_name(path) + " holding '" +
-                                    path + "'; this aio handle falls back to buffered I/O there";
+        const std::string message = "O_DIRECT is not supported by the " + file_system_name(op->plain_fd) +
+                                    " holding '" + path + "'; this aio handle falls back to buffered I/O there";
         if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) != 0) throw py::error_already_set();
     }
     if (async_op) {
@@ -40,6 +41,21 @@ void transfer(AioHandle& handle, bool is_read, uintptr_t address, size_t nbytes,
         error = op->wait();
     }
     if (error) throw OsError(error.code, error.detail, path);
+}
+
+void transfer(AioHandle& handle, bool is_read, uintptr_t address, size_t nbytes, const std::string& path,
+              uint64_t file_offset, bool async_op)
+{
+    submit(handle, is_read, address, nbytes, path, -1, file_offset, async_op);
+}
+
+// The same through a descriptor the caller opened; errors name it with its file where /proc knows it.
+void transfer_fd(AioHandle& handle, bool is_read, uintptr_t address, size_t nbytes, int fd, uint64_t file_offset,
+                 bool async_op)
+{
+    // Checked here: below, a negative descriptor means a named file.
+    if (fd < 0) throw OsError(EBADF, "not an open file descriptor", describe_fd(fd));
+    submit(handle, is_read, address, nbytes, describe_fd(fd), fd, file_offset, async_op);
 }
 
 // One entry per finished op in submission order: None, or the (errno, message, path) of its error.
@@ -95,6 +111,8 @@ PYBIND11_MODULE(_aio, m)
              py::arg("block_size"), py::arg("queue_depth"), py::arg("single_submit"), py::arg("overlap_events"),
              py::arg("threads"))
         .def("transfer", &transfer, py::arg("is_read"), py::arg("address"), py::arg("nbytes"), py::arg("path"),
+             py::arg("file_offset"), py::arg("async_op"))
+        .def("transfer_fd", &transfer_fd, py::arg("is_read"), py::arg("address"), py::arg("nbytes"), py::arg("fd"),
              py::arg("file_offset"), py::arg("async_op"))
         .def("wait", &wait_all);
 }

@@ -8,10 +8,14 @@ Return values follow DeepNVMe: a synchronous `sync_pread`/`sync_pwrite`/`pread`/
 `wait()` returns the number of asynchronous operations it completed. Unlike DeepNVMe, failures are
 never a -1 return: they raise OSError(errno, message, filename). A synchronous call neither waits
 for nor reports earlier asynchronous operations; those belong to `wait()`.
+
+As DeepNVMe's, `async_pwrite` also takes an open file descriptor in the file name's place, and
+`is_pinned` says whether a tensor needs no bounce copy.
 """
 
 import errno
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +52,17 @@ def _byte_view(tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
+class _Descriptor(NamedTuple):
+    """A file descriptor the caller opened, standing where a file name would."""
+
+    fd: int
+
+
+class _LockedRegion(NamedTuple):
+    buffer: object  # the extension's LockedBuffer: the memory lives while the handle holds it
+    nbytes: int
+
+
 class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchanged)
     def __init__(self, block_size=1048576, queue_depth=128, single_submit=False, overlap_events=False,
                  intra_op_parallelism=1):
@@ -59,7 +74,7 @@ class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchang
         self._impl = extension().Handle(self._block_size, self._queue_depth, self._single_submit,
                                         self._overlap_events, self._intra_op_parallelism)
         self._pending = []  # one (tensor, host tensor, finish callable or None) per async op
-        self._locked = {}  # data_ptr -> LockedBuffer of tensors from new_cpu_locked_tensor
+        self._locked = {}  # data_ptr -> _LockedRegion of tensors from new_cpu_locked_tensor
 
     def __del__(self):
         # The kernel may still be writing into pending tensors: they must outlive the I/O.
@@ -101,8 +116,17 @@ class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchang
     def async_pread(self, buffer, filename, file_offset=0):
         return self.pread(buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer, filename, file_offset=0):
-        return self.pwrite(buffer, filename, False, True, file_offset)
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike | int | None = None,
+                     file_offset: int = 0, *, fd: int | None = None) -> int:
+        """Queue a write to `filename`, or, as DeepNVMe's overload, through `fd`: an int open for
+        writing, given in filename's place or as fd=. The bytes land at file_offset (also with
+        O_APPEND) and the file keeps what lies beyond; the caller may close fd once this returns."""
+        if isinstance(filename, int) and not isinstance(filename, bool) and fd is None:
+            filename, fd = None, filename
+        if (filename is None) == (fd is None):
+            raise TypeError("async_pwrite takes a file name or a file descriptor (fd=), exactly one")
+        target = filename if fd is None else _Descriptor(int(fd))
+        return self._transfer(False, buffer, target, False, True, file_offset)
 
     def read(self, buffer, filename, validate=False):
         self.pread(buffer, filename, validate, False)
@@ -129,18 +153,23 @@ class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchang
             raise first_error
         return len(results)
 
-    def _transfer(self, is_read, tensor, filename, validate, async_op, file_offset):
+    def _transfer(self, is_read, tensor, target, validate, async_op, file_offset):
+        """Move the tensor's bytes to or from `target`: a file name, or a _Descriptor (never validated)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_contiguous():
             raise ValueError("aio_handle needs a contiguous tensor; call .contiguous() first")
         if int(file_offset) < 0:
             raise ValueError(f"file_offset must be >= 0, got {file_offset}")
-        path = os.fspath(filename)
         host = self._host_tensor(tensor, is_read)
-        finish = self._finisher(is_read, tensor, host, path, int(file_offset), validate)
-        self._impl.transfer(is_read, host.data_ptr(), host.numel() * host.element_size(), path,
-                            int(file_offset), bool(async_op))
+        nbytes = host.numel() * host.element_size()
+        if isinstance(target, _Descriptor):
+            finish = self._finisher(is_read, tensor, host, None, int(file_offset), False)
+            self._impl.transfer_fd(is_read, host.data_ptr(), nbytes, target.fd, int(file_offset), bool(async_op))
+        else:
+            path = os.fspath(target)
+            finish = self._finisher(is_read, tensor, host, path, int(file_offset), validate)
+            self._impl.transfer(is_read, host.data_ptr(), nbytes, path, int(file_offset), bool(async_op))
         if async_op:
             self._pending.append((tensor, host, finish))
             return 0
@@ -176,13 +205,24 @@ class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchang
         nbytes = int(num_elem) * example_tensor.element_size()
         buffer = extension().LockedBuffer(nbytes)
         tensor = torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(example_tensor.dtype)
-        self._locked[tensor.data_ptr()] = buffer
+        self._locked[tensor.data_ptr()] = _LockedRegion(buffer, nbytes)
         return tensor
 
     def free_cpu_locked_tensor(self, tensor):
         """Drop the handle's reference (the memory is freed once no tensor uses it any more) and
         return True; False, as DeepSpeed's handle, for a tensor this handle did not lock."""
         return self._locked.pop(tensor.data_ptr(), None) is not None
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """DeepNVMe's test for I/O without a bounce copy: a torch-pinned tensor, or a CPU tensor
+        lying wholly inside one region from this handle's new_cpu_locked_tensor (views count too)."""
+        if buffer.is_pinned():
+            return True
+        if buffer.device.type != "cpu":
+            return False
+        begin = buffer.data_ptr()
+        end = begin + buffer.nbytes
+        return any(start <= begin and end <= start + region.nbytes for start, region in self._locked.items())
 
 
 def _validate(tensor, path, file_offset):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.model.moe.config import MoEConfig
+from megatron.model.moe.config import DROP_POLICIES, MoEConfig
 
 
 class Gating(NamedTuple):
@@ -79,8 +79,12 @@ def topk_gating(
     noisy_gate_policy: str | None = None,
     sample_second_expert: bool = False,
     ep_group: dist.ProcessGroup | None = None,
+    drop_policy: str = "probs",
 ) -> Gating:
     """Route S tokens given router logits [S, E]. Everything here is fp32.
+
+    `drop_policy` is DeepSpeed's for k >= 3: an over-full expert keeps the choices of highest gate
+    probability ("probs") or of the earliest tokens ("position").
 
     `ep_group` is accepted for DeepSpeed's signature: without dropping, DeepSpeed max-reduces the
     capacity over the expert-parallel group to size its padded buffers; the sort dispatcher
@@ -120,11 +124,15 @@ def topk_gating(
         gate_S2 = gate_S2 / gate_S2.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
         return Gating(l_aux, expert_S2, gate_S2, torch.where(keep_S2, slots_S2, -1),
                       torch.bincount(expert_S2.flatten(), minlength=num_experts))
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"unknown drop_policy {drop_policy!r}; use probs or position")
     probs_SK, expert_SK = torch.topk(gates_SE, k, dim=1)
     l_aux = load_balancing_loss(gates_SE, expert_SK.flatten(), k)
     keep_N = torch.ones(num_tokens * k, dtype=torch.bool, device=logits.device)
-    if drop_tokens:
+    if drop_tokens and drop_policy == "probs":
         keep_N = keep_highest(expert_SK.flatten(), probs_SK.flatten(), num_experts, cap)
+    elif drop_tokens:  # flattened token-major, so ranks within an expert follow token order
+        keep_N = rank_within_group(expert_SK.flatten(), num_experts) < cap
     gate_SK = probs_SK * keep_N.view(num_tokens, k)
     gate_SK = gate_SK / gate_SK.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
     return Gating(l_aux, expert_SK, gate_SK, slots_of_kept(expert_SK.flatten(), keep_N, num_experts).view(num_tokens, k),
@@ -154,5 +162,6 @@ class Router(nn.Module):
             c.min_capacity, drop_tokens=c.drop_tokens, use_rts=c.use_rts and self.training,
             noisy_gate_policy=c.noisy_gate_policy if self.training else None,
             sample_second_expert=c.sample_second_expert and self.training, ep_group=ep_group,
+            drop_policy=c.drop_policy,
         )
         return gating, logits_SE
