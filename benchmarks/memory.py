@@ -55,8 +55,9 @@ def write_text_corpus(folder: Path, megabytes: float = 2.0) -> str:
     matters here: its routing keeps changing, so the experts see new row counts for hundreds of
     steps, where a synthetic corpus settles within a few dozen."""
     prefix = str(folder / "text_document")
-    eod = SHAPE["vocab_size"]  # NullTokenizer's; the vocabulary is the demo's size, for its logits' size
-    builder = MMapIndexedDatasetBuilder(prefix + ".bin", best_fitting_dtype(eod + 1), vocab_size=eod + 1)
+    vocab = SHAPE["vocab_size"]  # the demo's size, for its logits' size
+    eod = vocab - 1  # NullTokenizer's: the last id
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", best_fitting_dtype(vocab), vocab_size=vocab)
     budget = int(megabytes * 2**20)
     for path in stdlib_sources():
         text = np.frombuffer(path.read_bytes(), dtype=np.uint8)

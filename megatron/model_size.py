@@ -94,7 +94,8 @@ def sizing_vocab(flags: dict[str, Any]) -> int:
         try:
             raw = build_tokenizer(flags["tokenizer_type"], tokenizer_model=flags.get("tokenizer_model"),
                                   vocab_file=flags.get("vocab_file"), merge_file=flags.get("merge_file"),
-                                  vocab_size=flags.get("vocab_size")).vocab_size
+                                  vocab_size=flags.get("vocab_size"),
+                                  null_tokenizer_eod=flags["null_tokenizer_eod"]).vocab_size
         except (DataError, OSError, TypeError, ValueError) as e:
             raise DataError(f"cannot read the tokenizer to size the vocabulary ({e}); "
                             f"give --vocab-size N ({GPT2_VOCAB} for GPT-2) to size the model without its files") from e

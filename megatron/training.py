@@ -85,7 +85,7 @@ class Trainer:
         data = config.data
         self.tokenizer: Tokenizer = build_tokenizer(
             data.tokenizer_type, tokenizer_model=data.tokenizer_model, vocab_file=data.vocab_file,
-            merge_file=data.merge_file, vocab_size=data.vocab_size,
+            merge_file=data.merge_file, vocab_size=data.vocab_size, null_tokenizer_eod=data.null_tokenizer_eod,
         )
         # data first: a bad prefix or corrupt index stops the run before the model is built
         self.train_data, self.valid_data, self.test_data = self._build_datasets()
@@ -188,6 +188,7 @@ class Trainer:
             "valid_data_prefix": list(d.valid_data_path) if d.valid_data_path else None,
             "test_data_prefix": list(d.test_data_path) if d.test_data_path else None,
             "vocab_size": self.tokenizer.vocab_size,  # every sample's ids are checked as it is read
+            "split_rounding": d.split_rounding,
         }
         if self.grid.is_first_rank:
             datasets = build_train_valid_test_datasets(*args, **paths)

@@ -71,12 +71,15 @@ def test_moe_flags_build_the_layer_plan():
     assert config.model.moe.topk == 2 and config.model.moe.use_residual
     pyramid = parse("--train-iters 10 --num-layers 6 --num-experts 4 4 8")
     assert pyramid.model.experts_per_layer == [1, 4, 1, 4, 1, 8]
+    assert parse("--train-iters 10 --num-experts 8 --topk 3").model.moe.drop_policy == "probs"
+    assert parse("--train-iters 10 --num-experts 8 --topk 3 --moe-token-drop-policy position").model.moe.drop_policy == "position"
 
 
 @pytest.mark.parametrize("extra, message", [
     ("--num-layers 4 --num-experts 4 4 8", "--num-experts has 3 values but 4 layers .* give one value or 2"),
     ("--num-experts 1 --mlp-type residual", "--mlp-type residual needs MoE layers"),
     ("--num-experts 4 --topk 2 --moe-noisy-gate-policy RSample", "RSample applies to top-1"),
+    ("--num-experts 4 --topk 2 --moe-token-drop-policy position", "applies to --topk 3 or more"),
 ])
 def test_moe_flag_errors(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -41,8 +41,8 @@ def harmless_doc_idx_flips(doc_idx: list[int], num_sequences: int) -> set[tuple[
 
     They are the only .idx flips no check can see: the file has no checksum, and an index whose
     documents merely start one sequence earlier or later is a valid index. They are harmless to
-    GPT samples, which are cut from sequences (sizes, pointers, tokens all unchanged, as the test
-    shows); doc_idx only decides which split a document falls in. Every other byte is tied down
+    GPT samples, which are cut and split by sequence (sizes, pointers, tokens all unchanged, as the
+    test shows); doc_idx only names the document in an error. Every other byte is tied down
     by the header's exact file size, the pointers following the sizes and the .bin size.
     """
     first_entry = HEADER_BYTES + 12 * num_sequences

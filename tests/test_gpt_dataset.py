@@ -9,7 +9,13 @@ import torch
 
 from megatron.data import gpt_dataset
 from megatron.data.blending import BlendedDataset, build_blending_indices, parse_weighted_prefixes
-from megatron.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets, get_train_valid_test_split
+from megatron.data.gpt_dataset import (
+    SPLIT_LEGACY,
+    SPLIT_ROUNDINGS,
+    GPTDataset,
+    build_train_valid_test_datasets,
+    get_train_valid_test_split,
+)
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.loader import build_pretraining_loader
 from megatron.errors import ConfigError, DataError
@@ -161,14 +167,24 @@ def test_documents_without_tokens(tmp_path):
 
 
 def test_split():
-    assert get_train_valid_test_split("969,30,1", 1000) == [0, 969, 999, 1000]
-    assert get_train_valid_test_split("98/2", 10) == [0, 10, 10, 10]
-    assert get_train_valid_test_split("1", 7) == [0, 7, 7, 7]
-    assert get_train_valid_test_split("1,1,1", 10) == [0, 4, 7, 10]  # 3+3+3 rounds short; all shift by one
-    assert get_train_valid_test_split("0.5,0.25,0.25", 7)[-1] == 7
-    for bad in ("a,b", "-1,2", "0,0,0"):
+    # Worked by hand: thirds of 10 end at 3.33, 6.67 and 10, rounded to 3, 7, 10 (cumulative); the
+    # legacy way rounds each third to 3, falls one short of 10 and shifts every boundary by one.
+    assert get_train_valid_test_split("1,1,1", 10) == [0, 3, 7, 10]
+    assert get_train_valid_test_split("1,1,1", 10, SPLIT_LEGACY) == [0, 4, 7, 10]
+    for rounding in SPLIT_ROUNDINGS:
+        assert get_train_valid_test_split("969,30,1", 1000, rounding) == [0, 969, 999, 1000]
+        assert get_train_valid_test_split("98/2", 10, rounding) == [0, 10, 10, 10]
+        assert get_train_valid_test_split("1", 7, rounding) == [0, 7, 7, 7]
+        assert get_train_valid_test_split("0.5,0.25,0.25", 7, rounding)[-1] == 7
+    for bad in ("a,b", "-1,2", "0,0,0", "1,2,3,4", "inf,1", "nan"):
         with pytest.raises(ConfigError, match="--split"):
             get_train_valid_test_split(bad, 10)
+    # Legacy: 0 + 2 + 2 overshoots 3 by one, and the shift would start valid at sequence -1.
+    with pytest.raises(ConfigError, match=r"--split '0,1,1' cannot divide 3 sequences"):
+        get_train_valid_test_split("0,1,1", 3, SPLIT_LEGACY)
+    assert get_train_valid_test_split("0,1,1", 3) == [0, 0, 2, 3]
+    with pytest.raises(ConfigError, match="--split-rounding 'nearest' is not a rounding"):
+        get_train_valid_test_split("1", 3, "nearest")
 
 
 def test_train_valid_test_from_one_prefix(tmp_path):

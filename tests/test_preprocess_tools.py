@@ -54,10 +54,11 @@ def test_jsonl_with_two_workers(tmp_path):
     )
     for key in ("text", "title"):
         dataset = MMapIndexedDataset(str(tmp_path / "out" / f"c_{key}_document"))
-        expected = [[int(t) for t in row[key].split()] + [20] for row in rows if row[key]]
+        expected = [[int(t) for t in row[key].split()] + [19] for row in rows if row[key]]
         assert dataset.dtype == np.uint16
         assert [dataset[i].tolist() for i in range(len(dataset))] == expected
-        assert dataset.doc_idx.tolist() == list(range(len(expected) + 1))
+        # An empty row is an empty document: a doc_idx entry and no sequence, as Megatron-LM writes it.
+        assert dataset.doc_idx.tolist() == [0, *np.cumsum([bool(row[key]) for row in rows]).tolist()]
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
         f"c_{k}_document.{e}" for k in ("text", "title") for e in ("bin", "idx")
     )

@@ -122,13 +122,28 @@ def test_gpt2_bpe_bad_files(gpt2_files, tmp_path):
 
 def test_null_tokenizer():
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert tokenizer.vocab_size == 101 and tokenizer.eod == 100
     assert tokenizer.tokenize("1 2  3\n99") == [1, 2, 3, 99]
     assert tokenizer.detokenize([4, 5]) == "4 5"
     with pytest.raises(DataError, match="space-separated integer ids"):
         tokenizer.tokenize("hello world")
-    with pytest.raises(DataError, match="id 101 is outside 0..100"):
-        tokenizer.tokenize("3 101")
+    with pytest.raises(DataError, match="id 100 is outside 0..99"):
+        tokenizer.tokenize("3 100")
+
+
+@pytest.mark.parametrize(
+    "convention, vocab_size, eod",
+    [
+        pytest.param("last", 100, 99, id="current Megatron-LM: the last of --vocab-size ids (the default)"),
+        pytest.param("extra", 101, 100, id="Megatron-DeepSpeed: one extra id, --vocab-size itself"),
+    ],
+)
+def test_null_tokenizer_eod_conventions(convention, vocab_size, eod):
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=100, null_tokenizer_eod=convention)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (vocab_size, eod)
+    assert tokenizer.tokenize(f"0 {eod}") == [0, eod]
+    # The conventions are one tokenizer for --vocab-size values one apart: old data reads either way.
+    other = build_tokenizer("NullTokenizer", vocab_size=vocab_size, null_tokenizer_eod="last")
+    assert (other.vocab_size, other.eod) == (vocab_size, eod)
 
 
 def test_padded_vocab_size():
@@ -151,6 +166,11 @@ def test_padded_vocab_size():
         ({"tokenizer_type": "GPT2BPETokenizer", "merge_file": "m.txt"}, ConfigError, "--vocab-file"),
         ({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "v.json"}, ConfigError, "--merge-file"),
         ({"tokenizer_type": "NullTokenizer"}, ConfigError, "--vocab-size"),
+        (
+            {"tokenizer_type": "NullTokenizer", "vocab_size": 9, "null_tokenizer_eod": "first"},
+            ConfigError,
+            "--null-tokenizer-eod 'first'",
+        ),
         ({"tokenizer_type": "BertTokenizer"}, ConfigError, "--tokenizer-type 'BertTokenizer'"),
     ],
 )

@@ -22,7 +22,7 @@ def write_corpus(folder: Path, documents: int = 200, seed: int = 0, vocab: int =
         for _ in range(int(rng.integers(length // 3, length))):
             token = int(successors[token, rng.integers(3)])
             tokens.append(token)
-        builder.add_item(np.array(tokens + [vocab]))  # NullTokenizer's eod is the vocabulary size
+        builder.add_item(np.array(tokens + [vocab]))  # the eod of NullTokenizer --vocab-size VOCAB + 1
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
@@ -33,7 +33,7 @@ def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
         "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16,
         "micro-batch-size": 2, "global-batch-size": 4, "train-iters": 20, "lr": 3e-3,
         "lr-warmup-iters": 2, "lr-decay-style": "cosine", "min-lr": 3e-4,
-        "tokenizer-type": "NullTokenizer", "vocab-size": VOCAB, "data-path": data_prefix,
+        "tokenizer-type": "NullTokenizer", "vocab-size": VOCAB + 1, "data-path": data_prefix,
         "split": "90,10,0", "log-interval": 5, "eval-interval": 10, "eval-iters": 2,
         "num-workers": 0, "hidden-dropout": 0.1, "attention-dropout": 0.1,
     }

@@ -17,9 +17,12 @@ from megatron.config.parser import (
     FlagParser, non_negative_float, non_negative_int, positive_float, positive_int, probability,
 )
 from megatron.config.runtime_schema import RuntimeConfig, explain, resolve_batch_sizes
+from megatron.data.gpt_dataset import SPLIT_CUMULATIVE, SPLIT_ROUNDINGS
+from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
+from megatron.model.moe.config import DROP_POLICIES
 from megatron.runtime.lr_schedules import scheduler_parameters
 
 
@@ -30,11 +33,13 @@ class DataConfig:
     valid_data_path: tuple[str, ...] | None
     test_data_path: tuple[str, ...] | None
     split: str
+    split_rounding: str  # gpt_dataset.SPLIT_ROUNDINGS
     tokenizer_type: str
     tokenizer_model: str | None
     vocab_file: str | None
     merge_file: str | None
     vocab_size: int | None
+    null_tokenizer_eod: str  # tokenizer.NULL_EOD_CONVENTIONS
     make_vocab_size_divisible_by: int
     num_workers: int
     eod_mask_loss: bool
@@ -174,6 +179,8 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--mlp-type", choices=MLP_TYPES, default="standard", help="residual: PR-MoE")
     g.add_argument("--moe-noisy-gate-policy", choices=["None", "Jitter", "RSample"], default="None")
     g.add_argument("--disable-moe-rts", action="store_true", help="keep the first tokens, not random ones")
+    g.add_argument("--moe-token-drop-policy", choices=DROP_POLICIES, default="probs",
+                   help="top-k with k >= 3: an over-full expert keeps the highest probabilities or the earliest tokens")
     g.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
     g.add_argument("--create-moe-param-group", action="store_true",
                    help="accepted for Megatron-DeepSpeed recipes; expert parameters are always handled apart")
@@ -191,6 +198,13 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=positive_int, default=None, help="for NullTokenizer")
+    # Megatron-LM changed both of these conventions; its current one is the default (README, data).
+    g.add_argument("--split-rounding", choices=SPLIT_ROUNDINGS, default=SPLIT_CUMULATIVE,
+                   help="--split boundaries over sequences: rounded cumulative shares (current Megatron-LM) or "
+                        "rounded sizes shifted to the total (legacy: Megatron-DeepSpeed)")
+    g.add_argument("--null-tokenizer-eod", choices=NULL_EOD_CONVENTIONS, default=NULL_EOD_LAST,
+                   help="NullTokenizer's end-of-document id: the last of --vocab-size ids (current Megatron-LM) "
+                        "or one extra id, --vocab-size itself (Megatron-DeepSpeed)")
     g.add_argument("--num-workers", type=non_negative_int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true")
 
@@ -307,7 +321,7 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
             noisy_gate_policy=None if args.moe_noisy_gate_policy == "None" else args.moe_noisy_gate_policy,
             sample_second_expert=not args.disable_moe_top2_2nd_expert_sampling,
             aux_loss_coeff=args.moe_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
-            use_residual=args.mlp_type == "residual",
+            use_residual=args.mlp_type == "residual", drop_policy=args.moe_token_drop_policy,
         ),
     )
 
@@ -338,6 +352,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         test_data_path=tuple(args.test_data_path) if args.test_data_path else None,
         split=args.split, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+        split_rounding=args.split_rounding, null_tokenizer_eod=args.null_tokenizer_eod,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss,
     )

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -301,50 +302,90 @@ class GPTDataset(torch.utils.data.Dataset):
 PretrainingDataset = GPTDataset | BlendedDataset
 
 
-def get_train_valid_test_split(splits_string: str, size: int) -> list[int]:
-    """Document boundaries [0, a, b, size] from weights like "969,30,1" (or "98/2/0"), as Megatron."""
+# How --split weights become boundaries over a data set's sequences. "cumulative": boundary k is
+# round(first k weights / total * sequences), as current Megatron-LM (megatron.core's
+# BlendedMegatronDatasetBuilder). "legacy": each split's size is rounded, then every boundary is
+# shifted so the last one is the total, as Megatron-DeepSpeed and Megatron-LM's megatron/data.
+SPLIT_CUMULATIVE = "cumulative"
+SPLIT_LEGACY = "legacy"
+SPLIT_ROUNDINGS = (SPLIT_CUMULATIVE, SPLIT_LEGACY)
+
+
+def _split_weights(splits_string: str) -> list[float]:
+    """Three non-negative weights with a positive sum from "969,30,1" or "98/2" (missing ones are 0)."""
     separator = "," if "," in splits_string else "/"
     try:
-        splits = [float(s) for s in splits_string.split(separator)]
+        weights = [float(s) for s in splits_string.split(separator)]
     except ValueError as e:
         raise ConfigError(
             f"--split {splits_string!r} must be up to three numbers separated by ',' or '/', like 969,30,1."
         ) from e
-    splits = (splits + [0.0, 0.0])[:3]
-    if any(s < 0 for s in splits) or sum(splits) <= 0:
+    if len(weights) > 3:
+        raise ConfigError(f"--split {splits_string!r} has {len(weights)} weights; give at most three, like 969,30,1.")
+    weights += [0.0] * (3 - len(weights))
+    if not all(0 <= w < math.inf for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--split {splits_string!r} needs non-negative weights with a positive sum, like 969,30,1.")
-    total = sum(splits)
+    return weights
+
+
+def _cumulative_bounds(weights: list[float], size: int) -> list[int]:
+    """Megatron-Core's arithmetic: each weight's share, summed left to right, each end rounded half to even."""
+    total = sum(weights)
+    ends = [0.0]
+    for weight in weights:
+        ends.append(ends[-1] + weight / total)
+    return [int(round(end * float(size))) for end in ends]
+
+
+def _legacy_bounds(splits_string: str, weights: list[float], size: int) -> list[int]:
+    total = sum(weights)
     bounds = [0]
-    for split in splits:
-        bounds.append(bounds[-1] + int(round(split / total * float(size))))
+    for weight in weights:
+        bounds.append(bounds[-1] + int(round(weight / total * float(size))))
     excess = bounds[-1] - size
     bounds[1:] = [b - excess for b in bounds[1:]]
     if any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ConfigError(
-            f"--split {splits_string!r} cannot divide {size} documents; give each non-zero split a larger weight."
+            f"--split {splits_string!r} cannot divide {size} sequences; give each non-zero split a larger weight."
         )
     return bounds
 
 
-def _split_documents(prefix: str, splits_string: str | None, split_index: int) -> tuple[MMapIndexedDataset, np.ndarray]:
-    """A data set and the sequences of its documents in one split (all of them when splits_string is None).
+def get_train_valid_test_split(splits_string: str, size: int, rounding: str = SPLIT_CUMULATIVE) -> list[int]:
+    """Sequence boundaries [0, a, b, size] of train, valid and test from weights like "969,30,1"."""
+    weights = _split_weights(splits_string)
+    if rounding == SPLIT_CUMULATIVE:
+        return _cumulative_bounds(weights, size)
+    if rounding == SPLIT_LEGACY:
+        return _legacy_bounds(splits_string, weights, size)
+    raise ConfigError(f"--split-rounding {rounding!r} is not a rounding; choose one of {', '.join(SPLIT_ROUNDINGS)}.")
 
-    The split is over documents (doc_idx entries); GPTDataset works on the sequences they cover,
-    which are the same thing when every document is one sequence, as tools/preprocess_data.py writes.
+
+@dataclass(frozen=True)
+class DataSplit:
+    """--split as given ("969,30,1") and the rounding that turns it into sequence boundaries."""
+
+    splits_string: str
+    rounding: str
+
+
+def _split_sequences(prefix: str, split: DataSplit | None, split_index: int) -> tuple[MMapIndexedDataset, np.ndarray]:
+    """A data set and its sequences in one split (all of them when split is None).
+
+    The split counts sequences, not documents, as Megatron-LM's GPT datasets do (old and current):
+    a document without tokens (an empty row) has no sequence, so it moves no boundary.
     """
     indexed = MMapIndexedDataset(prefix)
-    num_docs = len(indexed.doc_idx) - 1
-    if splits_string is None:
-        first, last = 0, num_docs
-    else:
-        first, last = get_train_valid_test_split(splits_string, num_docs)[split_index : split_index + 2]
-    return indexed, np.arange(indexed.doc_idx[first], indexed.doc_idx[last], dtype=np.int32)
+    first, last = 0, len(indexed)
+    if split is not None:
+        first, last = get_train_valid_test_split(split.splits_string, last, split.rounding)[split_index : split_index + 2]
+    return indexed, np.arange(first, last, dtype=np.int32)
 
 
 def _build_dataset(
     name: str,
     data_prefix: list[str],
-    splits_string: str | None,
+    split: DataSplit | None,
     split_index: int,
     num_samples: int,
     seq_length: int,
@@ -354,12 +395,12 @@ def _build_dataset(
     if num_samples == 0:
         return None
     if len(data_prefix) == 1:
-        indexed, documents = _split_documents(data_prefix[0], splits_string, split_index)
+        indexed, documents = _split_sequences(data_prefix[0], split, split_index)
         if not len(documents):
             return None
         return GPTDataset(name, indexed, documents, num_samples, seq_length, seed, vocab_size)
     prefixes, weights = parse_weighted_prefixes(data_prefix)
-    weighted = [(*_split_documents(p, splits_string, split_index), w) for p, w in zip(prefixes, weights) if w > 0]
+    weighted = [(*_split_sequences(p, split, split_index), w) for p, w in zip(prefixes, weights) if w > 0]
     kept = [(indexed, documents, w) for indexed, documents, w in weighted if len(documents)]
     if not kept:
         return None
@@ -384,11 +425,13 @@ def build_train_valid_test_datasets(
     valid_data_prefix: list[str] | None = None,
     test_data_prefix: list[str] | None = None,
     vocab_size: int | None = None,
+    split_rounding: str = SPLIT_CUMULATIVE,
 ) -> tuple[PretrainingDataset | None, PretrainingDataset | None, PretrainingDataset | None]:
     """(train, valid, test) datasets, each a GPTDataset, a BlendedDataset or None.
 
     A split's own prefix list (train_data_prefix, ...) is used whole; otherwise the split comes
-    from `data_prefix` cut by `splits_string`. Prefix lists are [p] or [w1, p1, w2, p2, ...].
+    from `data_prefix` cut by `splits_string` with `split_rounding` (SPLIT_ROUNDINGS). Prefix lists
+    are [p] or [w1, p1, w2, p2, ...].
     With `vocab_size`, every sample read is checked to hold only token ids in [0, vocab_size).
     """
     own_prefixes = (train_data_prefix, valid_data_prefix, test_data_prefix)
@@ -396,13 +439,14 @@ def build_train_valid_test_datasets(
         raise ConfigError(
             "no training data given; pass --data-path, or --train-data-path/--valid-data-path/--test-data-path."
         )
+    split = DataSplit(splits_string, split_rounding)
     datasets = []
     for index, (name, own, num_samples) in enumerate(zip(_SPLIT_NAMES, own_prefixes, train_valid_test_num_samples)):
         if own:
             datasets.append(_build_dataset(name, own, None, index, num_samples, seq_length, seed, vocab_size))
         elif data_prefix:
             datasets.append(
-                _build_dataset(name, data_prefix, splits_string, index, num_samples, seq_length, seed, vocab_size)
+                _build_dataset(name, data_prefix, split, index, num_samples, seq_length, seed, vocab_size)
             )
         else:
             datasets.append(None)

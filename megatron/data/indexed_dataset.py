@@ -8,7 +8,8 @@ The byte layout is Megatron-LM's, so files written here load there and the other
     PREFIX.bin  the tokens of every sequence, back to back, in the dtype named by the code
 
 `pointers` are byte offsets of each sequence in .bin; `doc_idx` lists the sequence at which each
-document starts, beginning with 0 and ending with num_sequences.
+document starts, beginning with 0 and ending with num_sequences. A document without tokens has no
+sequence, so its entry repeats the next one (Megatron-LM's preprocessing writes an empty row so).
 
 Opening checks the whole index in a few vectorised passes: an integer token dtype, the exact file
 sizes, sizes >= 0, pointers that follow the sizes from byte 0 to the end of .bin, and a doc_idx
@@ -97,6 +98,13 @@ class MMapIndexedDatasetBuilder:
         array = np.asarray(tokens, dtype=self.dtype)
         self._file.write(array.tobytes(order="C"))
         self._sizes.append(array.size)
+
+    def add_document(self, tokens) -> None:
+        """One document as one sequence, as tools/preprocess_data.py writes it. An empty document gets
+        no sequence, only its doc_idx entry, as Megatron-LM's add_document with no lengths records it."""
+        if len(tokens):
+            self.add_item(tokens)
+        self.end_document()
 
     def end_document(self) -> None:
         self._doc_idx.append(len(self._sizes))

@@ -6,9 +6,11 @@ object per line or one list of objects), CSV with a header row, and Parquet. Thi
 the rows in order and checks every value it uses, so a bad one stops the run with a sentence
 naming its file and line (row, for Parquet and JSON lists); a pool of workers tokenizes them.
 
-Empty text gives no document. Null or missing text gives none either, and is counted and reported
-at the end. Text that is not valid UTF-8 stops the run, or with --skip-invalid-utf8 drops its row,
-also counted and reported.
+Text that tokenizes to nothing (empty text, or only spaces for some tokenizers) gives an empty
+document, as Megatron-LM's tools/preprocess_data.py writes it: no sequence and no end-of-document
+token, even with --append-eod, only its doc_idx entry. Null or missing text gives no document,
+and is counted and reported at the end. Text that is not valid UTF-8 stops the run, or with
+--skip-invalid-utf8 drops its row, also counted and reported.
 """
 
 import argparse
@@ -27,7 +29,7 @@ from tqdm import tqdm
 from megatron.config.parser import FlagParser, positive_int
 from megatron.data.corpus_reader import Texts, corpus_rows, first_row_columns, input_files
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype, bin_path, idx_path
-from megatron.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST, TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megatron.entry_point import run_entry_point
 from megatron.errors import DataError
 
@@ -47,6 +49,7 @@ class TokenizerSpec:
     vocab_file: str | None = None
     merge_file: str | None = None
     vocab_size: int | None = None
+    null_tokenizer_eod: str = NULL_EOD_LAST
 
     def build(self) -> Tokenizer:
         return build_tokenizer(**asdict(self))
@@ -82,11 +85,11 @@ def _plural(count: int, noun: str) -> str:
 
 @dataclass
 class _Counts:
-    """What a run saw: rows read and rows skipped as invalid UTF-8; per key, documents written and null texts."""
+    """What a run saw: rows read and rows skipped as invalid UTF-8; per key, documents with tokens and null texts."""
 
     rows: int
     invalid_utf8: int
-    documents: list[int]
+    documents_with_tokens: list[int]
     null_or_missing: list[int]
 
 
@@ -98,7 +101,7 @@ def _check_every_key_has_documents(input_pattern: str, files: list[str], keys: l
             f"--input {input_pattern} has no row whose text is valid UTF-8 (all {counts.rows} skipped); "
             "fix the file's encoding."
         )
-    for key, documents, nulls in zip(keys, counts.documents, counts.null_or_missing):
+    for key, documents, nulls in zip(keys, counts.documents_with_tokens, counts.null_or_missing):
         if documents == 0 and nulls == counts.rows - counts.invalid_utf8:
             raise DataError(
                 f"--input {input_pattern} has no column {key!r} with text in any row (its first row has "
@@ -126,7 +129,8 @@ def _tokenize_rows(
     results: Iterator[Encoded | None], builders: list[MMapIndexedDatasetBuilder], log_interval: int
 ) -> _Counts:
     """Write each row's documents in input order, and count what was skipped."""
-    counts = _Counts(rows=0, invalid_utf8=0, documents=[0] * len(builders), null_or_missing=[0] * len(builders))
+    counts = _Counts(rows=0, invalid_utf8=0, documents_with_tokens=[0] * len(builders),
+                     null_or_missing=[0] * len(builders))
     # On stdout, so that stderr holds nothing but an error's one sentence; closed (ending its line)
     # before an error from the rows is printed.
     with tqdm(results, unit=" rows", miniters=log_interval, file=sys.stdout) as bar:
@@ -140,10 +144,9 @@ def _tokenize_rows(
             for column, tokens in enumerate(encoded):
                 if tokens is None:
                     counts.null_or_missing[column] += 1
-                elif tokens.size:
-                    builders[column].add_item(tokens)
-                    builders[column].end_document()
-                    counts.documents[column] += 1
+                else:
+                    builders[column].add_document(tokens)
+                    counts.documents_with_tokens[column] += bool(tokens.size)
             total_bytes += num_bytes
             if counts.rows % log_interval == 0:
                 bar.set_postfix_str(
@@ -193,6 +196,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-file", help="GPT-2 vocab.json")
     parser.add_argument("--merge-file", help="GPT-2 merges.txt")
     parser.add_argument("--vocab-size", type=positive_int, help="NullTokenizer vocabulary size")
+    parser.add_argument(
+        "--null-tokenizer-eod",
+        choices=NULL_EOD_CONVENTIONS,
+        default=NULL_EOD_LAST,
+        help="NullTokenizer's end-of-document id: the last of --vocab-size ids (current Megatron-LM), "
+        "or one extra id, --vocab-size itself (Megatron-DeepSpeed)",
+    )
     parser.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
     parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     parser.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes")
@@ -207,7 +217,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _preprocess(argv: list[str] | None) -> None:
     args = _parse_args(argv)
-    spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
+    spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size,
+                         args.null_tokenizer_eod)
     prefixes = preprocess(args.input, args.output_prefix, spec, args.json_keys, args.append_eod, args.workers,
                           args.log_interval, args.skip_invalid_utf8)
     for prefix in prefixes:

@@ -193,15 +193,30 @@ class GPT2BPETokenizer(Tokenizer):
         return bytes(self._byte_decoder[c] for c in visible).decode("utf-8", errors="replace")
 
 
-class NullTokenizer(Tokenizer):
-    """Text is space-separated ids; one extra id, `vocab_size`, is the end of document (as Megatron)."""
+# Where NullTokenizer's end-of-document id goes. "last": the last of --vocab-size ids, as current
+# Megatron-LM (megatron.core's NullTokenizer, eod_id = vocab_size - 1) and Megatron-Bridge.
+# "extra": one id past them, vocab_size + 1 ids in all, as Megatron-DeepSpeed and Megatron-LM's
+# earlier _NullTokenizer. The two are the same tokenizer for --vocab-size values one apart.
+NULL_EOD_LAST = "last"
+NULL_EOD_EXTRA = "extra"
+NULL_EOD_CONVENTIONS = (NULL_EOD_LAST, NULL_EOD_EXTRA)
 
-    def __init__(self, vocab_size: int) -> None:
-        self._eod = int(vocab_size)
+
+class NullTokenizer(Tokenizer):
+    """Text is space-separated ids; the end-of-document id is placed by `eod_convention` (see above)."""
+
+    def __init__(self, vocab_size: int, eod_convention: str = NULL_EOD_LAST) -> None:
+        if eod_convention not in NULL_EOD_CONVENTIONS:
+            raise ConfigError(
+                f"--null-tokenizer-eod {eod_convention!r} is not a convention; choose one of "
+                f"{', '.join(NULL_EOD_CONVENTIONS)}."
+            )
+        self._vocab_size = int(vocab_size) + (eod_convention == NULL_EOD_EXTRA)
+        self._eod = self._vocab_size - 1
 
     @property
     def vocab_size(self) -> int:
-        return self._eod + 1
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -250,6 +265,7 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     vocab_size: int | None = None,
+    null_tokenizer_eod: str = NULL_EOD_LAST,
 ) -> Tokenizer:
     if tokenizer_type == "SentencePieceTokenizer":
         _require_flag(tokenizer_model, "--tokenizer-model", tokenizer_type)
@@ -260,5 +276,5 @@ def build_tokenizer(
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         _require_flag(vocab_size, "--vocab-size", tokenizer_type)
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, null_tokenizer_eod)
     raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}.")

@@ -13,7 +13,7 @@ from typing import Any
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import ENGINE_FILE, iteration_tag
 from megatron.checkpoint.verify import read_engine_meta, verify_folder
-from megatron.data.tokenizer import Tokenizer, build_tokenizer
+from megatron.data.tokenizer import NULL_EOD_EXTRA, Tokenizer, build_tokenizer
 from megatron.errors import CheckpointError
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
@@ -69,7 +69,9 @@ def model_config_from_state(saved: dict[str, Any], folder: Path) -> GPTConfig:
 def tokenizer_from_flags(flags: dict[str, Any], overrides: dict[str, str | None] | None = None) -> Tokenizer:
     """The training run's tokenizer; `overrides` replace file paths that moved since training."""
     files = {name: (overrides or {}).get(name) or flags.get(name) for name in TOKENIZER_FILE_FLAGS}
-    return build_tokenizer(flags["tokenizer_type"], vocab_size=flags.get("vocab_size"), **files)
+    # Checkpoints saved before --null-tokenizer-eod existed used the extra end-of-document id.
+    eod = flags.get("null_tokenizer_eod", NULL_EOD_EXTRA)
+    return build_tokenizer(flags["tokenizer_type"], vocab_size=flags.get("vocab_size"), null_tokenizer_eod=eod, **files)
 
 
 def load_model(
