@@ -74,7 +74,7 @@ def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert type(block["intra_op_parallelism"]) is int and block["single_submit"] is True
     assert block["overlap_events"] is False
     # pasted into a runtime config, it is the block NVMe swapping reads
-    assert validate_runtime_config({"aio": block}).aio.model_dump() == block
+    assert validate_runtime_config({"aio": block}).aio.handle_settings() == block
     log = json.loads((tmp_path / "logs" / "nvme_tune.json").read_text())
     assert len(log["results"]) == 4 and list(nvme.iterdir()) == []
 
