@@ -247,7 +247,7 @@ def _averaged_step(mode: str, stage: int) -> dict[str, torch.Tensor]:
             "norm": torch.tensor(engine.last_grad_norm)}
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_gradient_averaging_modes_follow_deepspeed(stage):
     """mean, predivide and prescale all give the mean over ranks (they differ only in where the
     division happens); "sum" gives the sum. Before the all-reduce the gradients are divided by the

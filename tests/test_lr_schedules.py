@@ -175,6 +175,7 @@ def test_one_cycle_without_decay_holds_the_floor_and_sgd_keeps_its_momentum() ->
                   "decay_step_size": 2}),
     ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5}),
     ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5}),
+    ("WarmupLR", {"warmup_num_steps": 12}),  # peaks at the group's lr, which the resumed optimizer has lost
 ])
 def test_state_dict_round_trip_resumes_identically(type_name: str, params: dict[str, Any]) -> None:
     straight = values_at(type_name, params, list(range(-1, 25)))
@@ -247,28 +248,55 @@ def test_resume_reads_schedule_states_saved_without_their_kind() -> None:
     ("LRRangeTest", {"lr_range_test_step_rate": 0}, "lr_range_test_step_rate must be > 0"),
     ("LRRangeTest", {"lr_range_test_min_lr": 0.0}, "lr_range_test_min_lr must be > 0"),
     ("LRRangeTest", {"lr_range_test_min_lr": [0.1, 0.2]}, "2 values for 1 param groups"),
-    ("WarmupLR", {"warmup_type": "cosine"}, "unknown warmup_type 'cosine'"),
+    ("LRRangeTest", {"lr_range_test_step_rate": "2"}, "lr_range_test_step_rate must be > 0, got '2'"),
+    ("LRRangeTest", {"lr_range_test_staircase": "false"}, "lr_range_test_staircase must be true or false"),
+    ("WarmupLR", {"warmup_type": "cosine"}, r"unknown warmup_type 'cosine'; use one of log, linear \(DeepSpeed would"),
     ("WarmupLR", {"warmup_num_steps": 0}, "warmup_num_steps must be a positive integer"),
-    ("WarmupLR", {"warmup_min_lr": 0.9}, "warmup_min_lr 0.9 exceeds warmup_max_lr"),
+    ("WarmupLR", {"warmup_min_lr": 0.9}, r"warmup_min_lr \[0.9\] exceeds warmup_max_lr \[0.5\] \(the groups' lr"),
+    ("WarmupLR", {"warmup_min_lr": 0.3, "warmup_max_lr": 0.2},
+     r"warmup_min_lr \[0.3\] exceeds warmup_max_lr \[0.2\];"),
     ("WarmupLR", {"warmup_min_lr": -1.0}, "must be non-negative"),
+    ("WarmupLR", {"warmup_min_lr": True}, "warmup_min_lr must be non-negative numbers, got True"),
+    ("WarmupLR", {"warmup_max_lr": float("nan")}, "warmup_max_lr must be non-negative numbers, got nan"),
+    ("WarmupLR", {"last_batch_iteration": -2}, "last_batch_iteration must be an integer >= -1"),
+    ("WarmupDecayLR", {"total_num_steps": 20.0}, "total_num_steps must be a positive integer, got 20.0"),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": "0.1"},
+     "warmup_min_ratio must be between 0 and 1, got '0.1'"),
     ("WarmupDecayLR", {"total_num_steps": 5, "warmup_num_steps": 10}, r"total_num_steps \(5\) is less than"),
     ("WarmupCosineLR", {"total_num_steps": 5, "warmup_num_steps": 10}, r"total_num_steps \(5\) is less than"),
     ("WarmupCosineLR", {"total_num_steps": 0}, "total_num_steps must be a positive integer"),
     ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "cos_min_ratio": 2}, "cos_min_ratio must be"),
     ("WarmupCosineLR", {"total_num_steps": 2000, "warmup_type": "exp"}, "unknown warmup_type 'exp'"),
-    ("OneCycle", {"cycle_min_lr": 0.2, "cycle_max_lr": 0.1}, "cycle_min_lr <= cycle_max_lr"),
+    ("OneCycle", {"cycle_min_lr": 0.2, "cycle_max_lr": 0.1}, r"cycle_min_lr \[0.2\] exceeds cycle_max_lr \[0.1\]; give "
+     "cycle_min_lr <= cycle_max_lr for every param group"),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_step_size": 0}, "cycle_first_step_size"),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_second_step_size": -3}, "cycle_second_step_size"),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_first_stair_count": -1}, "stair_count"),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "decay_lr_rate": 0.1}, "need decay_step_size > 0"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "decay_mom_rate": -1}, "must be >= 0"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_min_mom": 0.95}, "cycle_min_mom <= cycle_max_mom"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "decay_mom_rate": -1},
+     "decay_mom_rate must be a number >= 0"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "decay_lr_rate": None, "decay_step_size": 2},
+     "decay_lr_rate must be a number >= 0, got None"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_min_mom": 0.95},
+     "cycle_min_mom .* exceeds cycle_max_mom"),
+    ("OneCycle", {"cycle_min_lr": [0.01, 0.02], "cycle_max_lr": 0.1}, "cycle_min_lr has 2 values for 1 param groups"),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_max_mom": [0.9, 0.95]},
+     "cycle_max_mom has 2 values"),
+    ("OneCycle", {"cycle_min_lr": "0.01", "cycle_max_lr": 0.1}, "cycle_min_lr must be non-negative numbers"),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": None}, "cycle_max_lr must be non-negative numbers, got None"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_second_step_size": 1.5},
+     "cycle_second_step_size must be an integer >= 0, got 1.5"),
+    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2, "cycle_momentum": "false"},
+     "cycle_momentum must be true or false"),
 ])
 def test_invalid_parameters_are_one_clear_config_error(type_name: str, params: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_scheduler(adam(), type_name, params)
+    optimizer = adam()
     with pytest.raises(ValueError, match=message):  # what DeepSpeed raises, so code written for it catches ours
-        build_scheduler(adam(), type_name, params)
+        build_scheduler(optimizer, type_name, params)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"]) == (0.5, (0.9, 0.999))  # untouched: every check comes before any write
 
 
 def test_registry_names_match_deepspeed() -> None:

@@ -140,9 +140,27 @@ def optimizer_entries(
     return entries, optimizer_groups(optimizer)
 
 
+def _plain(value: Any) -> Any:
+    """A group setting as JSON holds it: a tensor lr (torch and DeepSpeed allow one) as its number."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+def _like(current: Any, saved: Any) -> Any:
+    """A saved setting in the form this run's group holds it: a tensor stays a tensor of its dtype."""
+    if isinstance(current, torch.Tensor):
+        return torch.tensor(saved, dtype=current.dtype, device=current.device)
+    if isinstance(current, (tuple, list)) and isinstance(saved, (tuple, list)) and len(current) == len(saved):
+        return type(current)(_like(c, s) for c, s in zip(current, saved))
+    return saved
+
+
 def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings (lr, betas, weight decay, ...) without its tensors."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return [{k: _plain(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def load_optimizer_entries(
@@ -179,7 +197,8 @@ def load_optimizer_state(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this run has "
             f"{len(current['param_groups'])}; load with --no-load-optim to start a fresh optimizer"
         )
-    groups = [{**saved, "params": group["params"]} for saved, group in zip(saved_groups, current["param_groups"])]
+    groups = [{**{key: _like(group.get(key), value) for key, value in saved.items()}, "params": group["params"]}
+              for saved, group in zip(saved_groups, current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
