@@ -280,7 +280,7 @@ class ActivationCheckpointingConfig(Section):
 
 class ZeroKeys(Section):
     """DeepSpeed's `zero_optimization` keys that the runtime does not model itself, and the
-    legacy spellings of offloading (`cpu_offload`, `cpu_offload_params`)."""
+    legacy spellings of offloading (`cpu_offload`, `cpu_offload_param`)."""
     allgather_partitions: bool | None = None
     use_multi_rank_bucket_allreduce: bool | None = None
     compute_grad_norm: bool | None = None
@@ -310,17 +310,17 @@ class ZeroKeys(Section):
     zero_quantized_gradients: bool | None = None
     zenflow: Block | None = None
     cpu_offload: bool | None = None
-    cpu_offload_params: bool | None = None
+    cpu_offload_param: bool | None = None
     cpu_offload_use_pin_memory: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _legacy_offload(cls, data: Any) -> Any:
         """`cpu_offload: true` is DeepSpeed's old spelling of offload_optimizer to the CPU, and
-        `cpu_offload_params: true` of offload_param to the CPU."""
+        `cpu_offload_param: true` of offload_param to the CPU."""
         if not isinstance(data, dict):
             return data
-        for legacy, block in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        for legacy, block in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if data.get(legacy) is True:
                 if block in data:
                     raise ValueError(f"{legacy} is the old spelling of {block}; give only {block}")
