@@ -311,3 +311,15 @@ def test_comments_and_trailing_commas_keep_line_numbers(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 4, "comment": "a // inside a string stays"}))
     with pytest.raises(ConfigError, match="unknown key 'comment'"):
         load_runtime_config(path, 1)
+
+
+def test_a_config_passed_as_base64_as_deepspeed_takes_it(tmp_path):
+    import base64
+
+    encoded = base64.urlsafe_b64encode(json.dumps({"train_batch_size": 4, "bf16": {"enabled": True}}).encode()).decode()
+    assert load_runtime_config(encoded, 2).bf16.enabled
+    with pytest.raises(ConfigError, match=r"the runtime config conf/ds\.json does not exist .* check the path"):
+        load_runtime_config("conf/ds.json", 1)
+    bad = base64.urlsafe_b64encode(b'{"train_batch_size": 4, "fp16": {"enabeld": true}}').decode()
+    with pytest.raises(ConfigError, match="unknown key 'fp16.enabeld' in the base64 runtime config"):
+        load_runtime_config(bad, 1)

@@ -3,6 +3,8 @@ in the wild carry comments (`//`, `#`, `/* */`) and trailing commas. Those two a
 hjson's other forms (unquoted keys and strings, newlines instead of commas) are refused with one
 sentence. Duplicate keys are refused, as DeepSpeed refuses them."""
 
+import base64
+import binascii
 import json
 import re
 from pathlib import Path
@@ -24,6 +26,9 @@ def strip_comments(text: str) -> str:
     return _TOKENS.sub(keep, text)
 
 
+_URL_SAFE = str.maketrans("-_", "+/")
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [key for key, _ in pairs]
     repeated = sorted({key for key in keys if keys.count(key) > 1})
@@ -37,6 +42,26 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the runtime config {path}: {exc}") from None
+    return parse_config_text(text, str(path))
+
+
+def read_config_source(source: str | Path) -> tuple[dict[str, Any], str]:
+    """A config file, or (as DeepSpeed takes it) the config itself in URL-safe base64; with the
+    name to use for it in errors."""
+    if isinstance(source, Path) or Path(source).exists():
+        return read_config_file(source), str(source)
+    try:
+        text = base64.b64decode(source.translate(_URL_SAFE), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        text = ""
+    if not text.lstrip().startswith("{"):  # a mistyped path, most likely
+        raise ConfigError(f"the runtime config {source[:80]} does not exist (nor is it base64-encoded JSON); "
+                          "check the path")
+    return parse_config_text(text, "the base64 runtime config"), "the base64 runtime config"
+
+
+def parse_config_text(text: str, path: str) -> dict[str, Any]:
+    """The config object in `text` (from `path`, for errors)."""
     try:
         config = json.loads(strip_comments(text), object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:

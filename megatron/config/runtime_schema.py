@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, ValidationError
 
-from megatron.config.config_file import read_config_file
+from megatron.config.config_file import read_config_source
 from megatron.config.deepspeed_keys import (
     ActivationCheckpointingConfig, AioKeys, BF16Keys, FP16Keys, OffloadOptimizerKeys, OptimizerKeys, TopLevelKeys,
     ZeroKeys, refuse_unbuilt,
@@ -245,9 +245,6 @@ def explain(error: ValidationError, source: str) -> ConfigProblem:
         return ConfigProblem(loc, None, hint, f"unknown key {where!r} in {source}; {hint}")
     if first["type"] == "missing":
         return ConfigProblem(loc, None, "missing", f"missing key {where!r} in {source}; add it")
-    if not loc:  # a rule across keys: its message names them
-        reason = first["msg"].removeprefix("Value error, ")
-        return ConfigProblem(loc, None, reason, f"{reason} (in {source})")
     message = first["msg"].removeprefix("Value error, ")
     reason = message[0].lower() + message[1:]
     value = first.get("input")
@@ -269,7 +266,8 @@ def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> Ru
     """Validate a DeepSpeed-style config (a dict or a JSON file) and resolve its batch sizes."""
     if isinstance(config, dict):
         return resolve_batch_sizes(validate_runtime_config(config), dp_size)
-    return resolve_batch_sizes(validate_runtime_config(read_config_file(config), str(config)), dp_size)
+    config, source = read_config_source(config)
+    return resolve_batch_sizes(validate_runtime_config(config, source), dp_size)
 
 
 def resolve_batch_sizes(config: RuntimeConfig, dp_size: int) -> RuntimeConfig:
