@@ -267,3 +267,28 @@ def test_unknown_scheduler_and_bad_zero_settings_are_clear_errors():
         load_runtime_config({"train_batch_size": 2, "aio": {"queue_dept": 4}}, dp_size=1)
     with pytest.raises(ConfigError, match="bad value .* for 'zero_optimization.reduce_bucket_size' .* greater than or equal to 1"):
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"reduce_bucket_size": 0}}, dp_size=1)
+
+
+def test_resumed_optimizer_settings_that_the_checkpoint_replaces_are_named(tmp_path, capsys):
+    """As in DeepSpeed and Megatron, the checkpoint's optimizer keeps its own settings; a changed
+    weight decay or beta is then named in one line instead of vanishing silently."""
+    def engine(weight_decay: float, beta2: float, schedule: dict | None = None):
+        config = {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": weight_decay, "betas": [0.9, beta2]}}}
+        return initialize(small_model(), {**config, **(schedule or {})}, SINGLE)
+
+    saved = engine(0.1, 0.95)
+    saved.backward(saved(torch.randn(1, 8)).sum())
+    saved.step()
+    saved.save_checkpoint(tmp_path, "one")
+    capsys.readouterr()
+    same = engine(0.1, 0.95)
+    same.load_checkpoint(tmp_path, "one")
+    assert "is ignored" not in capsys.readouterr().out
+    changed = engine(0.05, 0.99)
+    changed.load_checkpoint(tmp_path, "one")
+    line = [out for out in capsys.readouterr().out.splitlines() if "is ignored" in out]
+    assert line == [" > resuming: this run's optimizer betas (0.9, 0.99) (checkpoint: (0.9, 0.95)), weight_decay 0.05 "
+                    "(checkpoint: 0.1) is ignored: the checkpoint's optimizer state keeps its own, as in DeepSpeed and "
+                    "Megatron; load with --no-load-optim (load_optimizer=False) to start the optimizer afresh with the "
+                    "new settings"]
+    assert changed.optimizer.param_groups[0]["weight_decay"] == 0.1

@@ -119,6 +119,23 @@ def build_loss_scaler(config: RuntimeConfig) -> DynamicLossScaler | StaticLossSc
     )
 
 
+def _same_setting(a: Any, b: Any) -> bool:
+    """Equal as settings: a tuple equals the list JSON gives back, floats up to round-off."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12)
+    return a == b
+
+
+def ignored_settings(given: list[dict[str, Any]], loaded: list[dict[str, Any]], scheduled: set[str]) -> str:
+    """The settings this run gave its optimizer that the checkpoint's replaced, for one log line
+    ("" when none): "weight_decay 0.05 (checkpoint: 0.1)"."""
+    changes = [f"{key} {mine[key]} (checkpoint: {theirs[key]})" for mine, theirs in zip(given, loaded)
+               for key in sorted(set(mine) & set(theirs) - scheduled) if not _same_setting(mine[key], theirs[key])]
+    return ", ".join(dict.fromkeys(changes))  # once per setting that differs alike in several groups
+
+
 def gradient_averaging(config: RuntimeConfig, dp_size: int) -> tuple[float, float]:
     """DeepSpeed's averaging over data-parallel ranks as (divisor before the all-reduce, divisor
     after it): the predivide factor and dp/factor, or dp and 1 with prescale_gradients, or no
@@ -424,6 +441,14 @@ class Engine:
             raise DamagedCheckpoint(f"{folder / ENGINE_FILE} lacks {missing}; load an earlier checkpoint") from None
         return meta.get("client_state", {})
 
+    def _scheduled_keys(self) -> set[str]:
+        """Group settings the LR schedule sets itself (after a resume too)."""
+        keys = {"lr", "initial_lr"}
+        get_mom = getattr(self.lr_scheduler, "get_mom", None)
+        if get_mom is not None and get_mom() is not None:
+            keys.add("betas")
+        return keys
+
     def _restore(self, folder: Path, meta: dict[str, Any], load_optimizer: bool, load_rng: bool) -> None:
         with self.whole_parameters():
             load_model_entries(self.module, ShardedReader(folder, MODEL))
@@ -431,6 +456,7 @@ class Engine:
                 self.zero.copy_from_parameters()
         if load_optimizer:
             reader = ShardedReader(folder, OPTIMIZER)
+            given = optimizer_groups(self.optimizer)
             if self.partitions:
                 load_partition_state(self.optimizer, self.partitions, reader, meta["optimizer_groups"])
             else:
@@ -441,6 +467,11 @@ class Engine:
                 changed = restore_schedule(self.lr_scheduler, meta["lr_scheduler"], steps_taken)
                 if changed and self.parallel.is_first_rank:
                     print(changed, flush=True)
+            ignored = ignored_settings(given, optimizer_groups(self.optimizer), self._scheduled_keys())
+            if ignored and self.parallel.is_first_rank:
+                print(f" > resuming: this run's optimizer {ignored} is ignored: the checkpoint's optimizer state "
+                      "keeps its own, as in DeepSpeed and Megatron; load with --no-load-optim (load_optimizer=False) "
+                      "to start the optimizer afresh with the new settings", flush=True)
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
             # count micro-batches in this run's accumulation: another data-parallel size changes it
             self.global_steps = meta["global_steps"]
