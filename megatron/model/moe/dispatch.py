@@ -2,6 +2,11 @@
 sent to the experts' ranks with an uneven all-to-all, and the results come back the same way and
 are summed into their tokens weighted by their gates. Memory grows with tokens x k x hidden only.
 
+Under expert parallelism the rows per expert travel first, as an asynchronous all-to-all that
+`exchange_counts` starts before the rows are gathered, so that it runs meanwhile; the receiving
+rank needs them to size the row exchange. That is one small exchange per layer's forward; the
+backward reuses the splits.
+
 Legend: T tokens on this rank, K choices per token, H hidden, N kept pairs on this rank,
 E experts in the layer, P expert-parallel ranks, E_l = E / P experts per rank,
 R rows received from all ranks for this rank's experts.
@@ -41,7 +46,16 @@ class Routes:
     gate_N: torch.Tensor  # its gate (fp32)
     send_splits: list[int] | None = None  # rows sent to each expert-parallel rank
     recv_splits: list[int] | None = None  # rows received from each
-    by_expert_R: torch.Tensor | None = None  # permutation of received rows into local-expert order
+    recv_blocks: list[list[int]] | None = None  # [P][E_l] rows received from each rank for each local expert
+
+
+@dataclass
+class ExpertCounts:
+    """Kept rows per expert, on their way to the experts' ranks (`exchange_counts`)."""
+
+    send_E: torch.Tensor  # rows this rank sends to each expert
+    recv_PEl: torch.Tensor  # rows each rank sends to each of this rank's experts, once `work` is done
+    work: dist.Work
 
 
 def sort_by_expert(x_TH: torch.Tensor, gating: Gating, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Routes]:
@@ -57,31 +71,51 @@ def sort_by_expert(x_TH: torch.Tensor, gating: Gating, num_experts: int) -> tupl
     return x_TH.index_select(0, token_N), counts_E, Routes(token_N, gating.gates.flatten()[pair_N])
 
 
+def exchange_counts(gating: Gating, num_experts: int, group: dist.ProcessGroup) -> ExpertCounts:
+    """Start sending this rank's kept rows per expert to the experts' ranks. Counted from the
+    gating, as `sort_by_expert` counts them, so that the exchange runs while the rows are gathered;
+    by a scatter, which needs no host synchronisation on a GPU (a mask or bincount would)."""
+    kept_N = (gating.positions.flatten() >= 0).long()
+    send_E = kept_N.new_zeros(num_experts).scatter_add_(0, gating.expert_ids.flatten(), kept_N)
+    recv_PEl = torch.empty_like(send_E)
+    return ExpertCounts(send_E, recv_PEl, dist.all_to_all_single(recv_PEl, send_E, group=group, async_op=True))
+
+
 def send_to_expert_ranks(
-    x_NH: torch.Tensor, counts_E: torch.Tensor, routes: Routes, group: dist.ProcessGroup
+    x_NH: torch.Tensor, counts: ExpertCounts, routes: Routes, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exchange rows with the expert-parallel group; returns rows [R, H] for this rank's experts,
-    grouped by local expert, and the rows per local expert [E_l]."""
+    """Exchange rows with the expert-parallel group, sized by `counts` (from `exchange_counts`);
+    returns rows [R, H] for this rank's experts, grouped by local expert, and the rows per local
+    expert [E_l]."""
     ranks = dist.get_world_size(group)
-    recv_counts_E = torch.empty_like(counts_E)
-    dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # [P * E_l]: source rank, then local expert
-    recv_counts_PE = recv_counts_E.view(ranks, -1)
-    routes.send_splits = counts_E.view(ranks, -1).sum(1).tolist()
-    routes.recv_splits = recv_counts_PE.sum(1).tolist()
+    counts.work.wait()
+    # one host copy of every count: on a GPU, the dispatch's one synchronisation
+    host = torch.cat([counts.send_E, counts.recv_PEl]).tolist()
+    half, local_experts = len(host) // 2, len(host) // (2 * ranks)
+    send, recv = _rows_of(host[:half], local_experts), _rows_of(host[half:], local_experts)
+    routes.send_splits, routes.recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
+    routes.recv_blocks = recv
     received_RH = _AllToAll.apply(x_NH, routes.recv_splits, routes.send_splits, group)
-    local_experts = recv_counts_PE.shape[1]
-    block_R = torch.repeat_interleave(
-        torch.arange(recv_counts_E.numel(), device=x_NH.device), recv_counts_E, output_size=received_RH.shape[0]
-    )
-    local_expert_R = block_R % local_experts
-    routes.by_expert_R = torch.argsort(local_expert_R * ranks + block_R // local_experts, stable=True)
-    return received_RH[routes.by_expert_R], recv_counts_PE.sum(0)
+    return transpose_blocks(received_RH, recv), counts.recv_PEl.view(ranks, local_experts).sum(0)
 
 
 def return_from_expert_ranks(y_RH: torch.Tensor, routes: Routes, group: dist.ProcessGroup) -> torch.Tensor:
     """Undo `send_to_expert_ranks`: rows [N, H] in this rank's sorted order again."""
-    unsorted_RH = torch.empty_like(y_RH).index_copy(0, routes.by_expert_R, y_RH)
-    return _AllToAll.apply(unsorted_RH, routes.send_splits, routes.recv_splits, group)
+    by_expert = [list(column) for column in zip(*routes.recv_blocks)]
+    return _AllToAll.apply(transpose_blocks(y_RH, by_expert), routes.send_splits, routes.recv_splits, group)
+
+
+def _rows_of(values: list[int], width: int) -> list[list[int]]:
+    return [values[i:i + width] for i in range(0, len(values), width)]
+
+
+def transpose_blocks(x_RH: torch.Tensor, sizes_AB: list[list[int]]) -> torch.Tensor:
+    """Rows stored as a grid of blocks, block (a, b) after (a, b - 1), reordered so that (a, b)
+    follows (a - 1, b): received rows by source rank, then expert, become rows by expert, then
+    source rank. Block copies (their backward too), no per-row index."""
+    blocks = x_RH.split([n for row in sizes_AB for n in row])
+    columns = len(sizes_AB[0])
+    return torch.cat([blocks[a * columns + b] for b in range(columns) for a in range(len(sizes_AB))])
 
 
 def combine(y_NH: torch.Tensor, routes: Routes, num_tokens: int) -> torch.Tensor:

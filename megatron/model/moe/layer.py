@@ -12,7 +12,9 @@ from torch import nn
 
 from megatron.errors import ConfigError
 from megatron.model.moe.config import MoEConfig
-from megatron.model.moe.dispatch import combine, return_from_expert_ranks, send_to_expert_ranks, sort_by_expert
+from megatron.model.moe.dispatch import (
+    combine, exchange_counts, return_from_expert_ranks, send_to_expert_ranks, sort_by_expert,
+)
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import Router
 
@@ -56,11 +58,13 @@ class MoELayer(nn.Module):
         """Returns the output [B, S, H] and this layer's weighted router loss (aux + z-loss)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         gating, logits_TE = self.router(x_TH, self.ep_group)
+        # with experts on other ranks, their row counts travel while the rows are sorted
+        counts = exchange_counts(gating, self.num_experts, self.ep_group) if self.ep_group is not None else None
         rows_NH, counts_E, routes = sort_by_expert(x_TH, gating, self.num_experts)
-        if self.ep_group is None:
+        if counts is None:
             y_NH = self.experts(rows_NH, counts_E)
         else:
-            local_rows, local_counts = send_to_expert_ranks(rows_NH, counts_E, routes, self.ep_group)
+            local_rows, local_counts = send_to_expert_ranks(rows_NH, counts, routes, self.ep_group)
             y_NH = return_from_expert_ranks(self.experts(local_rows, local_counts), routes, self.ep_group)
         out_TH = combine(y_NH, routes, x_TH.shape[0])
         if self.residual_mlp is not None:
