@@ -18,16 +18,16 @@ and the experts. DeepSpeed pads every expert to the capacity, so its
 ranks exchange and compute equal row counts; ours sends only the routed rows, so the rank whose
 experts got more tokens works longer and the other one waits.
 
-DeepSpeed is a benchmark-only dependency: without it, only our column is timed (with a note).
-Prints a table and writes JSON (default benchmarks/results/moe_ep.json).
+Run as benchmarks/moe_layer.py's EP mode: `python -m benchmarks.moe_layer --ep-size 2` (its grid flags and
+--quick apply; without them, the grid below). DeepSpeed is a benchmark-only dependency: without it,
+only our column is timed (with a note). Prints a table and writes JSON (default
+benchmarks/results/moe_ep.json).
 
 Legend: H hidden, F = 4H expert ffn hidden, E experts in the layer, K top-k, S tokens per rank.
 """
 
 import argparse
 import contextlib
-import importlib.util
-import itertools
 import json
 import math
 import os
@@ -38,31 +38,24 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks.moe_layer import cpu_name
-from megatron.model.moe import MoEConfig, MoELayer
+from benchmarks.moe_layer import (
+    Case, assert_same, build_deepspeed, build_ours, cpu_name, moe_config, start_deepspeed, step,
+)
 from megatron.parallel import build_parallel_grid
 
 EP_SIZE = 2
-CAPACITY_FACTOR, MIN_CAPACITY, AUX_COEFF = 1.0, 4, 0.01
 PHASES = ("router", "dispatch", "experts", "return", "counts", "other")
 # torch.distributed calls timed in the instrumented steps; DeepSpeed's comm calls these too
 COLLECTIVES = ("all_to_all_single", "all_reduce")
-
-
-class Case(NamedTuple):
-    hidden: int
-    experts: int
-    topk: int
-    tokens: int  # per rank
-    drop: bool
 
 
 DEFAULT_GRID = [
@@ -74,94 +67,13 @@ DEFAULT_GRID = [
 QUICK_GRID = [Case(256, 8, 1, 1024, True), Case(256, 16, 2, 1024, False)]
 
 
-# ---------------------------------------------------------------- the two layers, same weights
-
-def config_of(case: Case, deterministic: bool) -> MoEConfig:
-    return MoEConfig(topk=case.topk, train_capacity_factor=CAPACITY_FACTOR, min_capacity=MIN_CAPACITY,
-                     drop_tokens=case.drop and not (deterministic and case.topk == 1),
-                     use_rts=not deterministic, sample_second_expert=not deterministic, aux_loss_coeff=AUX_COEFF)
-
-
-def build_ours(case: Case, config: MoEConfig, ep_group: dist.ProcessGroup) -> MoELayer:
-    torch.manual_seed(0)  # the same router on both ranks; experts are drawn by global id
-    h = case.hidden
-    return MoELayer(h, 4 * h, case.experts, config, init_std=0.02, output_init_std=0.02 / math.sqrt(24),
-                    ep_group=ep_group)
-
-
-@torch.no_grad()
-def build_deepspeed(deepspeed: Any, ours: MoELayer, case: Case, config: MoEConfig) -> nn.Module:
-    """DeepSpeed's layer holding our router and this rank's experts: its local expert i on rank r is
-    global expert r * E_l + i, as ours."""
-    h = case.hidden
-    expert = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
-    layer = deepspeed.moe.layer.MoE(
-        h, expert, case.experts, ep_size=EP_SIZE, k=case.topk, capacity_factor=CAPACITY_FACTOR,
-        min_capacity=MIN_CAPACITY, drop_tokens=config.drop_tokens, use_rts=config.use_rts,
-        top2_2nd_expert_sampling=config.sample_second_expert,
-    )
-    layer.set_deepspeed_parallelism()
-    for _, theirs, mine in matching_tensors(ours, layer, grads=False):
-        theirs.copy_(mine)
-    return layer
-
-
-def as_linear(w: torch.Tensor, in_features: int) -> torch.Tensor:
-    """One expert's matrix as nn.Linear holds it ([out, in]), whichever way round ours stores it."""
-    return w if w.shape[-1] == in_features else w.t()
-
-
-def matching_tensors(
-    ours: MoELayer, theirs: nn.Module, grads: bool
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, DeepSpeed's tensor, ours in DeepSpeed's layout) for the router and each local expert:
-    the parameters, or with `grads` their gradients."""
-    def of(param: torch.Tensor) -> torch.Tensor:
-        return param.grad if grads else param
-
-    yield "router", of(theirs.deepspeed_moe.gate.wg.weight), of(ours.router.weight)
-    mine = ours.experts
-    for i, (fc1, _, fc2) in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
-        yield f"expert {i} w1", of(fc1.weight), as_linear(of(mine.w1)[i], fc1.in_features)
-        yield f"expert {i} b1", of(fc1.bias), of(mine.b1)[i]
-        yield f"expert {i} w2", of(fc2.weight), as_linear(of(mine.w2)[i], fc2.in_features)
-        yield f"expert {i} b2", of(fc2.bias), of(mine.b2)[i]
-
+# ---------------------------------------------------------------- inputs
 
 def inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's input [1, S, H] (it needs a gradient, as inside a model) and output gradient."""
     torch.manual_seed(1 + rank)
     x = torch.randn(1, case.tokens, case.hidden, requires_grad=True)
     return x, torch.randn(x.shape)
-
-
-def forward_backward(impl: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """loss = (out * grad).sum() + weighted aux loss, backward; returns the output."""
-    if impl == "ours":
-        out, router_loss = layer(x)
-    else:
-        out, l_aux, _ = layer(x)
-        router_loss = AUX_COEFF * l_aux
-    ((out * grad).sum() + router_loss).backward()
-    return out.detach()
-
-
-def step(impl: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
-    forward_backward(impl, layer, x, grad)
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-
-
-def check_same(ours: MoELayer, theirs: nn.Module, case: Case, rank: int) -> None:
-    """Outputs, input gradients and parameter gradients of the two layers agree on this rank."""
-    x, grad = inputs(case, rank)
-    out = forward_backward("ours", ours, x, grad)
-    x_grad, x.grad = x.grad, None
-    close = {"rtol": 1e-4, "atol": 1e-4}  # sums over thousands of rows in another order
-    torch.testing.assert_close(forward_backward("deepspeed", theirs, x, grad), out, **close, msg="outputs")
-    torch.testing.assert_close(x.grad, x_grad, **close, msg="input gradients")
-    for name, got, want in matching_tensors(ours, theirs, grads=True):
-        torch.testing.assert_close(got, want, **close, msg=lambda m, name=name: f"{name} gradients: {m}")
 
 
 # ---------------------------------------------------------------- instrumented steps
@@ -267,7 +179,7 @@ def profile_step(impl: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tenso
     dist.barrier()
     with instrumented(timeline, router, experts):
         start = time.perf_counter()
-        step(impl, layer, x, grad)
+        step(layer, x, grad)
         total = time.perf_counter() - start
     calls = torch.tensor(timeline.blocking, dtype=torch.float64).view(-1, 2)  # (entry, seconds inside)
     every_rank = [torch.empty_like(calls) for _ in range(dist.get_world_size())]
@@ -286,24 +198,25 @@ def profile_step(impl: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tenso
 # ---------------------------------------------------------------- one case on one rank
 
 def time_case(case: Case, rank: int, ep_group: dist.ProcessGroup, deepspeed: Any, opts: argparse.Namespace) -> dict:
-    ours = build_ours(case, config_of(case, deterministic=False), ep_group)
+    ours = build_ours(case, moe_config(case, deterministic=False), ep_group)
     layers: dict[str, nn.Module] = {"ours": ours}
     if deepspeed is not None:
-        check_config = config_of(case, deterministic=True)
+        check_config = moe_config(case, deterministic=True)
         check_ours = build_ours(case, check_config, ep_group)
-        check_same(check_ours, build_deepspeed(deepspeed, check_ours, case, check_config), case, rank)
-        layers["deepspeed"] = build_deepspeed(deepspeed, ours, case, config_of(case, deterministic=False))
+        assert_same(check_ours, build_deepspeed(check_ours, check_config, EP_SIZE), *inputs(case, rank),
+                    f"{case} rank {rank}")
+        layers["deepspeed"] = build_deepspeed(ours, moe_config(case, deterministic=False), EP_SIZE)
     x, grad = inputs(case, rank)
     for impl, layer in layers.items():
         for _ in range(opts.warmup):
-            step(impl, layer, x, grad)
+            step(layer, x, grad)
     times: dict[str, list[float]] = {impl: [] for impl in layers}
     for r in range(opts.rounds):
         for impl in (list(layers) if r % 2 == 0 else list(layers)[::-1]):  # alternate who goes first
             dist.barrier()
             start = time.perf_counter()
             for _ in range(opts.steps):
-                step(impl, layers[impl], x, grad)
+                step(layers[impl], x, grad)
             elapsed = torch.tensor((time.perf_counter() - start) / opts.steps, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slower rank is done
             times[impl].append(float(elapsed))
@@ -329,12 +242,8 @@ def gather_rows(row: dict) -> dict:
 
 
 def load_deepspeed(want: bool) -> Any:
-    if not want:
-        return None
-    import deepspeed  # noqa: PLC0415 (benchmark-only dependency, imported where it is used)
-    import deepspeed.moe.layer  # noqa: F401, PLC0415
-    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group that already exists
-    return deepspeed
+    """DeepSpeed over the process group that already exists, or None."""
+    return start_deepspeed() if want else None
 
 
 def rank_main(rank: int, port: int, grid: list[Case], opts: argparse.Namespace, with_deepspeed: bool, out: str) -> None:
@@ -396,38 +305,14 @@ def print_table(rows: list[dict], with_deepspeed: bool) -> None:
         print("note: deepspeed is not importable here (pip install deepspeed==0.19.8): its column is skipped")
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, nargs="*", help="grid of H (replaces the default grid)")
-    parser.add_argument("--experts", type=int, nargs="*", help="grid of E")
-    parser.add_argument("--topk", type=int, nargs="*", choices=[1, 2], help="grid of K")
-    parser.add_argument("--tokens", type=int, nargs="*", help="grid of S per rank")
-    parser.add_argument("--dropless", action="store_true", help="with a custom grid: drop_tokens=False")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=1, help="steps per implementation per round")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--profile-steps", type=int, default=3, help="instrumented steps per implementation")
-    parser.add_argument("--quick", action="store_true", help="two small cases (< 1 min)")
-    parser.add_argument("--output", help="JSON path (default benchmarks/results/moe_ep[_quick].json)")
-    return parser.parse_args()
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def main() -> None:
-    args = parse_args()
-    if args.quick:
-        grid = QUICK_GRID
-    elif any(v is not None for v in (args.hidden, args.experts, args.topk, args.tokens)):
-        grid = [Case(*c, not args.dropless) for c in itertools.product(
-            args.hidden or [512], args.experts or [16], args.topk or [1], args.tokens or [4096])]
-    else:
-        grid = DEFAULT_GRID
-    with_deepspeed = importlib.util.find_spec("deepspeed") is not None
+def run_and_report(grid: list[Case], args: argparse.Namespace, with_deepspeed: bool, output: Path) -> None:
+    """benchmarks/moe_layer.py's EP=2 mode: times `grid`, prints the table, writes the JSON report."""
     load_before = os.getloadavg()
     rows = run_ep(grid, args, with_deepspeed)
     print(f"EP={EP_SIZE}: fp32 forward+backward of one layer, {EP_SIZE} gloo processes x 1 thread, median of"
@@ -435,9 +320,8 @@ def main() -> None:
     print_table(rows, with_deepspeed)
     load = os.getloadavg()
     during = max(r["load_average_1min"] for r in rows)
-    output = Path(args.output or f"benchmarks/results/moe_ep{'_quick' if args.quick else ''}.json")
     report = {"machine": platform.machine(), "processor": cpu_name(), "torch": torch.__version__,
-              "deepspeed": deepspeed_version() if with_deepspeed else None, "ep_size": EP_SIZE,
+              "deepspeed": version("deepspeed") if with_deepspeed else None, "ep_size": EP_SIZE,
               "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d %H:%M"),
               "load_average_before": load_before, "load_average_1min_max_during": during, "load_average_after": load,
               "args": vars(args), "rows": rows}
@@ -445,12 +329,3 @@ def main() -> None:
     output.write_text(json.dumps(report, indent=1))
     print(f"load average (1 min; our two ranks add about 2): before {load_before[0]:.2f}, highest after a case"
           f" {during:.2f}, after {load[0]:.2f}; wrote {output}")
-
-
-def deepspeed_version() -> str:
-    from importlib.metadata import version  # noqa: PLC0415
-    return version("deepspeed")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,36 +1,51 @@
-"""Forward+backward time of one MoE layer (fp32) against (a) a dense MLP of equal active FLOPs per
-token (H -> k*4H -> H) and (b) a GShard/DeepSpeed-style one-hot dispatch written here: top-k
-gating that builds [S, E, C] combine weights and dispatch mask, einsum dispatch, batched experts
-over stacked weights, einsum combine. All three compute loss = (out * fixed_grad).sum() + router loss.
+"""Forward+backward time of one MoE layer (fp32) against DeepSpeed's `deepspeed.moe.layer.MoE` with
+the same router and expert weights, (a) a dense MLP of equal active FLOPs per token (H -> k*4H -> H)
+and (b) a GShard-style one-hot dispatch written here: top-k gating that builds [S, E, C] combine
+weights and dispatch mask, einsum dispatch, batched experts over stacked weights, einsum combine.
+All compute loss = (out * fixed_grad).sum() + router loss. Cases run with token dropping (capacity
+factor 1.0, random token selection for top-1) and without; (b) only with.
 
-The three run interleaved in rounds so machine drift hits them alike; each ratio is the median of
-the per-round ratios. Targets: ours/(a) <= 1.25; (b)/ours >= 2 from E = 16 up. Peak memory of
-one step is measured per token count in a fresh subprocess (peak RSS minus RSS after setup, Linux
-/proc), since CPU torch has no allocator statistics. Prints tables and writes JSON (default benchmarks/results/moe_layer.json).
+Before timing, each case checks that ours and DeepSpeed's compute the same outputs and gradients
+(routing made deterministic for the check: no random token selection, no sampled second expert,
+top-1 without dropping, since DeepSpeed breaks capacity ties in top-1 in no fixed token order).
+The implementations then run interleaved in rounds (training-mode routing, as users run it) so
+machine drift hits them alike; each ratio is the median of the per-round ratios. Targets:
+DeepSpeed/ours >= 1.1; ours/(a) <= 1.25; (b)/ours >= 2 from E = 16 up. Peak memory of one step is
+measured per case in a fresh subprocess (peak RSS minus RSS after setup, Linux /proc), since CPU
+torch has no allocator statistics; target: ours per token <= DeepSpeed's. DeepSpeed is a
+benchmark-only dependency: without it, its column is skipped with a note. Prints tables and writes
+JSON (default benchmarks/results/moe_layer.json).
 
 Legend: S tokens, H hidden, F = 4H expert ffn hidden, E experts, K top-k, C capacity per expert.
 """
 
 import argparse
+import contextlib
+import ctypes
+import importlib.util
+import io
 import itertools
 import json
+import logging
 import math
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.moe import MoEConfig, MoELayer
 from megatron.model.moe.router import gumbel_like
 
-IMPLS = ("ours", "dense", "onehot")
+IMPLS = ("ours", "deepspeed", "dense", "onehot")
 CAPACITY_FACTOR, MIN_CAPACITY, AUX_COEFF = 1.0, 4, 0.01
 
 
@@ -39,16 +54,19 @@ class Case(NamedTuple):
     experts: int
     topk: int
     tokens: int
+    drop: bool = True
 
 
-DEFAULT_GRID = (
+def both_drop_modes(cases: list[Case]) -> list[Case]:
+    return [c._replace(drop=d) for d in (True, False) for c in cases]
+
+
+DEFAULT_GRID = both_drop_modes(
     [Case(512, e, k, 4096) for k in (1, 2) for e in (8, 16, 32, 64)]
     + [Case(1024, e, 1, 4096) for e in (16, 64)]
     + [Case(512, 16, 1, s) for s in (2048, 8192, 16384)]
 )
-DEFAULT_MEMORY = [Case(512, 16, 1, s) for s in (2048, 4096, 8192, 16384)]
-QUICK_GRID = [Case(256, 8, 1, 1024), Case(256, 16, 2, 1024)]
-QUICK_MEMORY = [Case(256, 16, 1, s) for s in (1024, 2048, 4096)]
+QUICK_GRID = both_drop_modes([Case(256, 8, 1, 1024), Case(256, 16, 2, 1024)])
 
 
 def capacity(case: Case) -> int:
@@ -120,13 +138,84 @@ class DenseMLP(nn.Module):
         return self.mlp(x_BSH), x_BSH.new_zeros(())
 
 
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def start_deepspeed() -> Any:
+    """DeepSpeed's comm layer over a one-process gloo group (its MoE layer needs one for its expert
+    groups), its CPU accelerator and its logs quiet. Returns the deepspeed module."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with contextlib.redirect_stdout(io.StringIO()):
+        import deepspeed
+        from deepspeed.utils import logger
+
+        logger.setLevel(logging.WARNING)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return deepspeed
+
+
+def moe_config(case: Case, deterministic: bool = False) -> MoEConfig:
+    """As users train; `deterministic` routes without random choices (see the module's docstring)."""
+    return MoEConfig(topk=case.topk, train_capacity_factor=CAPACITY_FACTOR, min_capacity=MIN_CAPACITY,
+                     drop_tokens=case.drop and not (deterministic and case.topk == 1),
+                     use_rts=not deterministic, sample_second_expert=not deterministic, aux_loss_coeff=AUX_COEFF)
+
+
+def build_ours(case: Case, config: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> MoELayer:
+    torch.manual_seed(0)  # same weights for every run of a case (and the same router on every EP rank)
+    h = case.hidden
+    return MoELayer(h, 4 * h, case.experts, config, init_std=0.02, output_init_std=0.02 / math.sqrt(24),
+                    ep_group=ep_group)
+
+
+@torch.no_grad()
+def build_deepspeed(ours: MoELayer, config: MoEConfig, ep_size: int = 1) -> nn.Module:
+    """DeepSpeed's layer (experts: Linear, GELU, Linear with biases) holding our router and this rank's
+    experts: with ep_size > 1 its local expert i on rank r is global expert r * E_l + i, as ours."""
+    deepspeed = start_deepspeed()
+    h, num_experts = ours.router.weight.shape[1], ours.num_experts
+    expert = nn.Sequential(nn.Linear(h, ours.experts.w1.shape[2]), nn.GELU(), nn.Linear(ours.experts.w1.shape[2], h))
+    with contextlib.redirect_stdout(io.StringIO()):
+        layer = deepspeed.moe.layer.MoE(
+            h, expert, num_experts, ep_size=ep_size, k=config.topk, capacity_factor=config.train_capacity_factor,
+            min_capacity=config.min_capacity, drop_tokens=config.drop_tokens, use_rts=config.use_rts,
+            top2_2nd_expert_sampling=config.sample_second_expert,
+        )
+        layer.set_deepspeed_parallelism()
+    for _, theirs, mine in matching_tensors(ours, layer, grads=False):
+        theirs.copy_(mine)
+    return layer
+
+
+def as_linear(w: torch.Tensor, in_features: int) -> torch.Tensor:
+    """One expert's matrix as nn.Linear holds it ([out, in]), whichever way round ours stores it."""
+    return w if w.shape[-1] == in_features else w.t()
+
+
+def matching_tensors(ours: MoELayer, theirs: nn.Module, grads: bool) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, DeepSpeed's tensor, ours in DeepSpeed's layout) for the router and each local expert:
+    the parameters, or with `grads` their gradients."""
+    def of(param: torch.Tensor) -> torch.Tensor:
+        return param.grad if grads else param
+
+    yield "router", of(theirs.deepspeed_moe.gate.wg.weight), of(ours.router.weight)
+    mine = ours.experts
+    for i, (fc1, _, fc2) in enumerate(theirs.deepspeed_moe.experts.deepspeed_experts):
+        yield f"expert {i} w1", of(fc1.weight), as_linear(of(mine.w1)[i], fc1.in_features)
+        yield f"expert {i} b1", of(fc1.bias), of(mine.b1)[i]
+        yield f"expert {i} w2", of(fc2.weight), as_linear(of(mine.w2)[i], fc2.in_features)
+        yield f"expert {i} b2", of(fc2.bias), of(mine.b2)[i]
+
+
 def build(impl: str, case: Case) -> nn.Module:
-    torch.manual_seed(0)  # same weights for every run of a case
+    if impl in ("ours", "deepspeed"):
+        ours = build_ours(case, moe_config(case))
+        return ours if impl == "ours" else build_deepspeed(ours, moe_config(case))
+    torch.manual_seed(0)
     h, ffn = case.hidden, 4 * case.hidden
-    if impl == "ours":
-        config = MoEConfig(topk=case.topk, train_capacity_factor=CAPACITY_FACTOR, min_capacity=MIN_CAPACITY,
-                           drop_tokens=True, use_rts=True, aux_loss_coeff=AUX_COEFF)
-        return MoELayer(h, ffn, case.experts, config, init_std=0.02, output_init_std=0.02 / math.sqrt(24))
     if impl == "dense":
         return DenseMLP(h, case.topk * ffn)
     return OneHotMoE(h, ffn, case.experts, case.topk)
@@ -139,15 +228,58 @@ def inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(x.shape)
 
 
-def step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
-    out, router_loss = model(x)
+def forward_backward(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """loss = (out * grad).sum() + weighted router loss, backward; returns the output."""
+    outputs = model(x)
+    out, router_loss = outputs[:2]
+    if len(outputs) == 3:  # DeepSpeed's MoE returns (out, l_aux, expert counts)
+        router_loss = AUX_COEFF * router_loss
     ((out * grad).sum() + router_loss).backward()
+    return out.detach()
+
+
+def step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    forward_backward(model, x, grad)
     model.zero_grad(set_to_none=True)
     x.grad = None
 
 
-def time_case(case: Case, rounds: int, steps: int, warmup: int, cap_bytes: int) -> dict:
-    impls = [i for i in IMPLS if i != "onehot" or onehot_bytes(case) <= cap_bytes]
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal up to float32 summation order: the norm of the difference within 1e-5 of the norm."""
+    error = (got - want).norm() / want.norm().clamp(min=1e-30)
+    if not error <= 1e-5:
+        raise AssertionError(f"ours and DeepSpeed's {what} differ: relative error {error:.2e}")
+
+
+def check_same_as_deepspeed(case: Case) -> None:
+    """Outputs, input gradients and parameter gradients of ours and DeepSpeed's layer agree."""
+    ours = build_ours(case, moe_config(case, deterministic=True))
+    assert_same(ours, build_deepspeed(ours, moe_config(case, deterministic=True)), *inputs(case), str(case))
+
+
+def assert_same(ours: MoELayer, theirs: nn.Module, x: torch.Tensor, grad: torch.Tensor, what: str) -> None:
+    """One forward+backward of each on x: outputs, input and parameter gradients agree."""
+    out = forward_backward(ours, x, grad)
+    x_grad, x.grad = x.grad, None
+    assert_close(forward_backward(theirs, x, grad), out, f"{what} outputs")
+    assert_close(x.grad, x_grad, f"{what} input gradients")
+    for name, got, want in matching_tensors(ours, theirs, grads=True):
+        assert_close(got, want, f"{what} {name} gradients")
+
+
+def impls_of(case: Case, wanted: list[str], cap_bytes: int) -> list[str]:
+    """(b) only drops tokens, and only fits in memory up to `cap_bytes`."""
+    return [i for i in wanted if i != "onehot" or (case.drop and onehot_bytes(case) <= cap_bytes)]
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> dict[str, Any]:
+    ratios = [a / b for a, b in zip(numerators, denominators)]
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+
+
+def time_case(case: Case, impls: list[str], rounds: int, steps: int, warmup: int) -> dict:
+    if "deepspeed" in impls:
+        check_same_as_deepspeed(case)
     models, (x, grad) = {i: build(i, case) for i in impls}, inputs(case)
     for impl in impls:  # warm-up: kernels, allocator, the grouped-GEMM probe
         for _ in range(warmup):
@@ -161,12 +293,11 @@ def time_case(case: Case, rounds: int, steps: int, warmup: int, cap_bytes: int) 
             times[impl].append((time.perf_counter() - start) / steps)
     row = {**case._asdict(), "capacity": capacity(case), "onehot_est_bytes": onehot_bytes(case)}
     row.update({f"{i}_ms": 1000 * statistics.median(times[i]) for i in impls})
-    ratios = [o / d for o, d in zip(times["ours"], times["dense"])]
-    row.update(ours_over_dense=statistics.median(ratios), ours_over_dense_range=[min(ratios), max(ratios)])
+    row["ours_over_dense"] = median_ratio(times["ours"], times["dense"])
+    if "deepspeed" in impls:
+        row["deepspeed_over_ours"] = median_ratio(times["deepspeed"], times["ours"])
     if "onehot" in impls:
-        speedups = [b / o for b, o in zip(times["onehot"], times["ours"])]
-        row.update(onehot_over_ours=statistics.median(speedups),
-                   onehot_over_ours_range=[min(speedups), max(speedups)])
+        row["onehot_over_ours"] = median_ratio(times["onehot"], times["ours"])
     return row
 
 
@@ -176,11 +307,14 @@ def proc_status_bytes(field: str) -> int:
 
 
 def memory_child(impl: str, case: Case) -> None:
-    """Runs in a fresh process: setup and a tiny warm-up step (libraries, kernels, probes), then one
-    full step; prints its peak RSS above the RSS before it. Not ru_maxrss: Linux carries the parent's
-    RSS at fork into it across exec. Writing 5 to clear_refs resets this process's VmHWM instead."""
+    """Runs in a fresh process: one step of a throwaway copy of the model warms up what a process
+    sets up once (libraries, kernels compiled per shape, probes); then one step of the measured
+    model, whose peak RSS above the RSS before it is printed. That includes everything the step
+    allocates, our reused gradient buffers too. Not ru_maxrss: Linux carries the parent's RSS at fork
+    into it across exec. Writing 5 to clear_refs resets this process's VmHWM instead."""
     model, (x, grad) = build(impl, case), inputs(case)
-    step(model, *inputs(case._replace(tokens=64)))
+    step(build(impl, case), x, grad)
+    release_free_heap()
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
     base = proc_status_bytes("VmRSS")
@@ -188,17 +322,27 @@ def memory_child(impl: str, case: Case) -> None:
     print(json.dumps({"extra_bytes": proc_status_bytes("VmHWM") - base}))
 
 
-def measure_memory(case: Case, cap_bytes: int) -> dict:
-    row = {**case._asdict(), "capacity": capacity(case), "onehot_skipped": onehot_bytes(case) > cap_bytes}
-    for impl in ("ours", "onehot"):
-        if impl == "onehot" and row["onehot_skipped"]:
-            continue
-        cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--memory-child", impl, *map(str, case)]
+def release_free_heap() -> None:
+    """glibc keeps freed heap memory mapped (the warm-up's activations and DeepSpeed's per-expert
+    gradients): hand it back, so that no implementation's step starts on memory its warm-up left."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_memory(case: Case, impls: list[str], threads: int) -> dict:
+    row = {**case._asdict(), "capacity": capacity(case)}
+    for impl in impls:
+        cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--threads", str(threads),
+               "--memory-child", impl, *(str(int(v)) for v in case)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:  # e.g. killed for memory: say so and keep the other rows
             print(f"memory step of {impl} for {case} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             continue
         row[f"{impl}_extra_bytes"] = json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
+    if "ours_extra_bytes" in row and "deepspeed_extra_bytes" in row:
+        row["ours_over_deepspeed_bytes"] = row["ours_extra_bytes"] / row["deepspeed_extra_bytes"]
     return row
 
 
@@ -206,41 +350,60 @@ def ratio_cell(value: float, ok: bool | None) -> str:
     return f"{value:6.2f} {'  - ' if ok is None else 'PASS' if ok else 'FAIL'}"
 
 
+def case_cells(r: dict) -> str:
+    return (f"{r['hidden']:5} {r['experts']:3} {r['topk']:2} {r['tokens']:6} {'yes' if r['drop'] else 'no':>4}"
+            f" {r['capacity'] if r['drop'] else '-':>5}")
+
+
 def print_timing(rows: list[dict]) -> None:
-    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'C':>5} {'ours ms':>9} {'(a) ms':>9} {'(b) ms':>18}"
-          f" {'ours/(a)<=1.25':>15} {'(b)/ours>=2':>13}")
+    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours ms':>8} {'DS ms':>8} {'(a) ms':>8}"
+          f" {'(b) ms':>8} {'DS/ours>=1.1':>13} {'ours/(a)<=1.25':>15} {'(b)/ours>=2':>12}")
     for r in rows:
-        onehot, speedup = f"{'skipped: > cap':>18}", "-"
-        if "onehot_ms" in r:  # the speedup target applies from 16 experts up
-            onehot = f"{r['onehot_ms']:18.1f}"
-            speedup = ratio_cell(r["onehot_over_ours"], r["onehot_over_ours"] >= 2 if r["experts"] >= 16 else None)
-        ratio = ratio_cell(r["ours_over_dense"], r["ours_over_dense"] <= 1.25)
-        print(f"{r['hidden']:5} {r['experts']:3} {r['topk']:2} {r['tokens']:6} {r['capacity']:5}"
-              f" {r['ours_ms']:9.1f} {r['dense_ms']:9.1f} {onehot} {ratio:>15} {speedup:>13}")
+        cells = [f"{r[k]:8.1f}" if k in r else f"{'-':>8}" for k in ("ours_ms", "deepspeed_ms", "dense_ms", "onehot_ms")]
+        ds = ratio_cell(r["deepspeed_over_ours"]["median"], r["deepspeed_over_ours"]["median"] >= 1.1) \
+            if "deepspeed_over_ours" in r else "-"
+        dense = ratio_cell(r["ours_over_dense"]["median"], r["ours_over_dense"]["median"] <= 1.25)
+        onehot = "-"
+        if "onehot_over_ours" in r:  # the speedup target applies from 16 experts up
+            value = r["onehot_over_ours"]["median"]
+            onehot = ratio_cell(value, value >= 2 if r["experts"] >= 16 else None)
+        print(f"{case_cells(r)} {' '.join(cells)} {ds:>13} {dense:>15} {onehot:>12}")
 
 
 def print_memory(rows: list[dict]) -> None:
-    """Ours should add about a constant number of bytes per token; (b) a constant per S*E*C element."""
-    r0 = rows[0]
-    print(f"\npeak extra memory of one forward+backward (H={r0['hidden']} E={r0['experts']} K={r0['topk']})")
-    print(f"{'tokens':>6} {'C':>5} {'S*E*C':>11} {'ours MiB':>9} {'ours B/token':>13} {'(b) MiB':>15}"
-          f" {'(b) B/token':>12} {'((b)-ours) B/(S*E*C)':>21}")
-    rows = [r for r in rows if "ours_extra_bytes" in r]
+    """Peak extra bytes of one step per token, ours against DeepSpeed's (and (b) where run)."""
+    print("\npeak extra memory of one forward+backward, bytes per token")
+    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours MiB':>9} {'ours B/tok':>10}"
+          f" {'DS MiB':>8} {'DS B/tok':>9} {'(b) B/tok':>10} {'ours/DS<=1':>11}")
     for r in rows:
-        ours, sec = r["ours_extra_bytes"], r["tokens"] * r["experts"] * r["capacity"]
-        if "onehot_extra_bytes" in r:  # the difference to ours leaves (b)'s [S, E, C] tensors
-            b = r["onehot_extra_bytes"]
-            onehot = f"{b / 2**20:15.1f} {b / r['tokens']:12.0f} {(b - ours) / sec:21.2f}"
-        else:
-            onehot = f"{'skipped: > cap' if r['onehot_skipped'] else 'failed':>15} {'-':>12} {'-':>21}"
-        print(f"{r['tokens']:6} {r['capacity']:5} {sec:11} {ours / 2**20:9.1f} {ours / r['tokens']:13.0f} {onehot}")
-    if len(rows) > 1:  # least-squares line: the slope is the marginal cost of a token
-        s = [r["tokens"] for r in rows]
-        m = [r["ours_extra_bytes"] for r in rows]
+        cells = []
+        for impl, width in (("ours", 9), ("deepspeed", 8)):
+            b = r.get(f"{impl}_extra_bytes")
+            cells.append(f"{b / 2**20:{width}.1f} {b / r['tokens']:{width + 1}.0f}" if b else f"{'-':>{width}} {'-':>{width + 1}}")
+        onehot = r.get("onehot_extra_bytes")
+        cells.append(f"{onehot / r['tokens']:10.0f}" if onehot else f"{'-':>10}")
+        ratio = r.get("ours_over_deepspeed_bytes")
+        cells.append(ratio_cell(ratio, ratio <= 1) if ratio else "-")
+        print(f"{case_cells(r)} {' '.join(cells)}")
+    for impl in ("ours", "deepspeed"):
+        print_memory_fit(rows, impl)
+
+
+def print_memory_fit(rows: list[dict], impl: str) -> None:
+    """Least-squares line over a token sweep (cases that differ only in tokens): the slope is the
+    marginal cost of a token, the intercept mostly parameter gradients."""
+    sweeps: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if f"{impl}_extra_bytes" in r:
+            sweeps.setdefault((r["hidden"], r["experts"], r["topk"], r["drop"]), []).append(r)
+    for (h, e, k, drop), sweep in sweeps.items():
+        s = [r["tokens"] for r in sweep]
+        if len(set(s)) < 2:
+            continue
+        m = [r[f"{impl}_extra_bytes"] for r in sweep]
         s_mean, m_mean = statistics.fmean(s), statistics.fmean(m)
         slope = sum((a - s_mean) * (b - m_mean) for a, b in zip(s, m)) / sum((a - s_mean) ** 2 for a in s)
-        fixed_mib = (m_mean - slope * s_mean) / 2**20
-        print(f"ours: linear fit {slope:.0f} B/token + {fixed_mib:.1f} MiB fixed (mostly parameter gradients)")
+        print(f"{impl} H={h} E={e} K={k} drop={drop}: {slope:.0f} B/token + {(m_mean - slope * s_mean) / 2**20:.1f} MiB")
 
 
 def cpu_name() -> str:
@@ -256,53 +419,97 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, nargs="*", help="grid of H (replaces the default grid)")
     parser.add_argument("--experts", type=int, nargs="*", help="grid of E")
     parser.add_argument("--topk", type=int, nargs="*", choices=[1, 2], help="grid of K")
-    parser.add_argument("--tokens", type=int, nargs="*", help="grid of S; with several, also the memory sweep")
+    parser.add_argument("--tokens", type=int, nargs="*", help="grid of S")
+    parser.add_argument("--drop", choices=["both", "yes", "no"], default="both", help="token dropping cases")
+    parser.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS), help="columns to run (ours always)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1, help="steps per implementation per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cap-gib", type=float, default=4.0, help="skip (b) where its [S,E,C] tensors exceed this")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory sweep")
-    parser.add_argument("--quick", action="store_true", help="two small cases and a small memory sweep (< 1 min)")
-    parser.add_argument("--output", help="JSON path (default benchmarks/results/moe_layer[_quick].json)")
-    parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)  # impl H E K S, internal
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--quick", action="store_true", help="four small cases (< 1 min)")
+    parser.add_argument("--ep-size", type=int, choices=[1, 2], default=1,
+                        help="2: expert parallelism over two gloo processes of one thread each (benchmarks/moe_ep.py),"
+                             " against DeepSpeed's MoE(ep_size=2), with the share of the step in each phase")
+    parser.add_argument("--profile-steps", type=int, default=3, help="with --ep-size 2: instrumented steps per column")
+    parser.add_argument("--output", help="JSON path (default benchmarks/results/moe_layer[_quick].json, moe_ep[_quick]"
+                                         ".json with --ep-size 2)")
+    parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)  # impl H E K S drop, internal
     return parser.parse_args()
+
+
+def grid_of(args: argparse.Namespace) -> list[Case]:
+    if args.quick:
+        grid = QUICK_GRID
+    elif any(v is not None for v in (args.hidden, args.experts, args.topk, args.tokens)):
+        grid = both_drop_modes([Case(*c) for c in itertools.product(
+            args.hidden or [512], args.experts or [16], args.topk or [1], args.tokens or [4096])])
+    else:
+        grid = DEFAULT_GRID
+    return [c for c in grid if args.drop == "both" or c.drop == (args.drop == "yes")]
+
+
+def wanted_impls(args: argparse.Namespace) -> list[str]:
+    wanted = ["ours"] + [i for i in IMPLS if i in args.impls and i != "ours"]
+    if "deepspeed" in wanted and not deepspeed_available():
+        print("note: deepspeed is not installed here; its column is skipped", file=sys.stderr)
+        wanted.remove("deepspeed")
+    if "dense" not in wanted:
+        wanted.append("dense")  # the ours/(a) ratio is always reported
+    return wanted
 
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_child:
-        memory_child(args.memory_child[0], Case(*map(int, args.memory_child[1:])))
+        impl, *numbers = args.memory_child
+        memory_child(impl, Case(*map(int, numbers[:4]), bool(int(numbers[4]))))
         return
-    if args.quick:
-        grid, memory = QUICK_GRID, QUICK_MEMORY
-    elif any(v is not None for v in (args.hidden, args.experts, args.topk, args.tokens)):
-        hidden, experts = args.hidden or [512], args.experts or [16]
-        topk, tokens = args.topk or [1], args.tokens or [4096]
-        grid = [Case(*c) for c in itertools.product(hidden, experts, topk, tokens)]
-        memory = [Case(hidden[0], experts[0], topk[0], s) for s in tokens] if len(tokens) > 1 else []
-    else:
-        grid, memory = DEFAULT_GRID, DEFAULT_MEMORY
-    memory = [] if args.no_memory else memory
-    cap_bytes = int(args.cap_gib * 2**30)
+    if args.ep_size == 2:
+        run_expert_parallel(args)
+        return
+    grid, wanted, cap_bytes = grid_of(args), wanted_impls(args), int(args.cap_gib * 2**30)
     rows = []
     for n, case in enumerate(grid, 1):
-        rows.append(time_case(case, args.rounds, args.steps, args.warmup, cap_bytes))
+        rows.append(time_case(case, impls_of(case, wanted, cap_bytes), args.rounds, args.steps, args.warmup))
         print(f"timed {n}/{len(grid)}: {case}", file=sys.stderr, flush=True)
     print(f"fp32 forward+backward of one layer, {torch.get_num_threads()} threads, median of {args.rounds} rounds"
-          f" x {args.steps} steps; (a) dense H->K*4H->H, (b) one-hot [S,E,C] einsum dispatch")
+          f" x {args.steps} steps; DS DeepSpeed {'(not installed)' if 'deepspeed' not in wanted else ''},"
+          f" (a) dense H->K*4H->H, (b) one-hot [S,E,C] einsum dispatch")
     print_timing(rows)
     sys.stdout.flush()
-    memory_rows = [measure_memory(case, cap_bytes) for case in memory]
+    memory_rows = [] if args.no_memory else [
+        measure_memory(c, [i for i in impls_of(c, wanted, cap_bytes) if i != "dense"], torch.get_num_threads())
+        for c in grid
+    ]
     if memory_rows:
         print_memory(memory_rows)
     output = Path(args.output or f"benchmarks/results/moe_layer{'_quick' if args.quick else ''}.json")
-    report = {"machine": platform.machine(), "processor": cpu_name(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+    report = {"machine": platform.machine(), "processor": cpu_name(), "torch": torch.__version__,
+              "deepspeed": deepspeed_version() if "deepspeed" in wanted else None,
+              "threads": torch.get_num_threads(), "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
               "args": {k: v for k, v in vars(args).items() if k != "memory_child"},
               "rows": rows, "memory_rows": memory_rows}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=1))
     print(f"wrote {output}")
+
+
+def run_expert_parallel(args: argparse.Namespace) -> None:
+    """EP=2 mode: moe_ep's own grid unless one is given (its cases take two processes each)."""
+    from benchmarks import moe_ep  # it builds on this module, so it is imported once this one is loaded
+
+    custom = any(v is not None for v in (args.hidden, args.experts, args.topk, args.tokens))
+    grid = moe_ep.QUICK_GRID if args.quick else grid_of(args) if custom else moe_ep.DEFAULT_GRID
+    output = Path(args.output or f"benchmarks/results/moe_ep{'_quick' if args.quick else ''}.json")
+    moe_ep.run_and_report(grid, args, "deepspeed" in wanted_impls(args), output)
+
+
+def deepspeed_version() -> str:
+    return start_deepspeed().__version__
 
 
 if __name__ == "__main__":

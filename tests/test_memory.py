@@ -16,9 +16,9 @@ MAX_GROWTH_MIB = 128
 
 
 def test_padded_rows_take_few_sizes_and_little_padding():
-    assert [padded_rows(n) for n in (0, 1, 15, 16, 17, 1000, 1024, 1025)] == [0, 1, 15, 16, 18, 1024, 1024, 1152]
-    assert len({padded_rows(n) for n in range(513, 1025)}) == 8
-    assert all(n <= padded_rows(n) < n * 1.125 for n in range(1, 5000))
+    assert [padded_rows(n) for n in (0, 1, 31, 32, 33, 1000, 1024, 1025)] == [0, 1, 31, 32, 34, 1024, 1024, 1088]
+    assert len({padded_rows(n) for n in range(513, 1025)}) == 16
+    assert all(n <= padded_rows(n) < n * 1.0625 for n in range(1, 5000))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident size from /proc")

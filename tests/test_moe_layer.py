@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.model.moe import MoEConfig, MoELayer
+from megatron.model.moe import MoEConfig, MoELayer, experts
+from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.grouped_gemm import _LoopedGroupedLinear, grouped_linear
 from megatron.parallel import build_parallel_grid
 from tests.dist_utils import run_distributed
@@ -75,6 +76,67 @@ def test_looped_grouped_gemm_equals_grouped_mm():
     torch.testing.assert_close(x.grad, expected[0])
     torch.testing.assert_close(w.grad, expected[1])
     assert torch.count_nonzero(w.grad[1]) == 0
+
+
+@pytest.mark.parametrize("gather, onednn", [(True, True), (False, True), (True, False)])
+def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn):
+    """The CPU path (one expert at a time; rows gathered from tokens or given; oneDNN's GEMMs or
+    torch's) against the grouped GEMM of other devices, with an expert that gets no rows and the
+    last expert's padded rows past the end."""
+    if not onednn:
+        monkeypatch.setattr(experts, "onednn_linear_runs", lambda device_type, dtype: False)
+    torch.manual_seed(0)
+    layer = GroupedExperts(4, [0, 1, 2, 3], H, FFN, init_std=0.2, output_init_std=0.1)
+    with torch.no_grad():
+        for bias in (layer.b1, layer.b2):
+            bias.normal_()
+    counts = torch.tensor([40, 0, 5, 33])  # padded to 40, 0, 5, 34 rows
+    x_TH = torch.randn(50, H, requires_grad=True)
+    token_N = torch.randint(0, 50, (78,))
+    grad = torch.randn(78, H)
+    rows = x_TH if gather else x_TH.index_select(0, token_N)
+    layer(rows, counts, token_N if gather else None).backward(grad)
+    fast = [x_TH.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x_TH.grad = None
+    layer.zero_grad()
+    rows_NH = x_TH.index_select(0, token_N)
+    hidden = F.gelu(grouped_linear(rows_NH, layer.w1, layer.b1, counts))
+    grouped_linear(hidden, layer.w2, layer.b2, counts).backward(grad)
+    for got, want in zip(fast, [x_TH.grad] + [p.grad for p in layer.parameters()]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.count_nonzero(fast[1][1]) == 0  # w1 of the expert without rows
+
+
+def test_expert_gradient_buffers_are_reused_but_never_under_a_live_gradient():
+    layer = make_layer(4, MoEConfig(use_rts=False))
+    x, grad = torch.randn(2, 12, H), torch.randn(2, 12, H)
+
+    def backward() -> None:
+        out, loss = layer(x)
+        ((out * grad).sum() + loss).backward()
+
+    backward()
+    once, address = layer.experts.w1.grad.clone(), layer.experts.w1.grad.data_ptr()
+    layer.zero_grad(set_to_none=True)
+    backward()
+    assert layer.experts.w1.grad.data_ptr() == address  # the freed gradient's buffer came back
+    backward()  # accumulates into .grad, which holds the buffer: this step's gradient goes elsewhere
+    torch.testing.assert_close(layer.experts.w1.grad, 2 * once)
+    held = layer.experts.w1.grad
+    layer.zero_grad(set_to_none=True)
+    backward()
+    torch.testing.assert_close(held, 2 * once)  # a gradient someone still holds is left alone
+    torch.testing.assert_close(layer.experts.w1.grad, once)
+
+
+def test_frozen_experts_take_no_gradient_buffers():
+    layer = make_layer(4, MoEConfig(use_rts=False))
+    layer.experts.requires_grad_(False)
+    x = torch.randn(2, 12, H, requires_grad=True)
+    out, loss = layer(x)
+    (out.sum() + loss).backward()
+    assert x.grad is not None and layer.experts.w1.grad is None and layer.router.weight.grad is not None
+    assert not layer.experts.grad_buffers._cache
 
 
 def test_layer_runs_under_bf16_autocast():

@@ -61,14 +61,19 @@ class ExpertCounts:
 def sort_by_expert(x_TH: torch.Tensor, gating: Gating, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Routes]:
     """Rows [N, H] of kept (token, choice) pairs sorted by expert (token order within one), and
     the number of rows per expert [E]."""
+    counts_E, routes = route_by_expert(gating, num_experts)
+    return x_TH.index_select(0, routes.token_N), counts_E, routes
+
+
+def route_by_expert(gating: Gating, num_experts: int) -> tuple[torch.Tensor, Routes]:
+    """`sort_by_expert` without gathering the rows: rows per expert [E] and each row's token."""
     k = gating.expert_ids.shape[1]
     pair_N = torch.nonzero(gating.positions.flatten() >= 0).squeeze(1)
     expert_N = gating.expert_ids.flatten()[pair_N]
     order = torch.argsort(expert_N, stable=True)
     pair_N = pair_N[order]
-    token_N = pair_N // k
     counts_E = torch.bincount(expert_N, minlength=num_experts)
-    return x_TH.index_select(0, token_N), counts_E, Routes(token_N, gating.gates.flatten()[pair_N])
+    return counts_E, Routes(pair_N // k, gating.gates.flatten()[pair_N])
 
 
 def exchange_counts(gating: Gating, num_experts: int, group: dist.ProcessGroup) -> ExpertCounts:
@@ -120,5 +125,34 @@ def transpose_blocks(x_RH: torch.Tensor, sizes_AB: list[list[int]]) -> torch.Ten
 
 def combine(y_NH: torch.Tensor, routes: Routes, num_tokens: int) -> torch.Tensor:
     """Sum each token's expert outputs weighted by their gates; dropped tokens get zeros."""
-    weighted_NH = y_NH * routes.gate_N.unsqueeze(1).to(y_NH.dtype)
-    return y_NH.new_zeros(num_tokens, y_NH.shape[1]).index_add(0, routes.token_N, weighted_NH)
+    return _Combine.apply(y_NH, routes.gate_N, routes.token_N, num_tokens)
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum of gate_n * y_n over the rows n of token t. Row blocks at a time, so that no
+    [N, H] temporary is made besides the gathered output gradient, which the backward scales in
+    place (autograd's own would hold three: the gather, its product with the gates and the one with
+    the outputs, whose row sums are the gates' gradient)."""
+
+    @staticmethod
+    def forward(ctx, y_NH: torch.Tensor, gate_N: torch.Tensor, token_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(y_NH, gate_N, token_N)
+        out_TH = y_NH.new_zeros(num_tokens, y_NH.shape[1])
+        for rows in row_blocks(len(y_NH)):
+            out_TH.index_add_(0, token_N[rows], y_NH[rows] * gate_N[rows, None].to(y_NH.dtype))
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
+        y_NH, gate_N, token_N = ctx.saved_tensors
+        grad_NH = grad_TH.index_select(0, token_N)
+        grad_gate_N = gate_N.new_empty(gate_N.shape) if ctx.needs_input_grad[1] else None
+        for rows in row_blocks(len(y_NH)):
+            if grad_gate_N is not None:
+                grad_gate_N[rows] = (grad_NH[rows] * y_NH[rows]).sum(1)
+            grad_NH[rows] *= gate_N[rows, None].to(grad_NH.dtype)
+        return grad_NH, grad_gate_N, None, None
+
+
+def row_blocks(rows: int, block: int = 512) -> list[slice]:
+    return [slice(start, start + block) for start in range(0, rows, block)]

@@ -1,8 +1,13 @@
-"""This rank's experts as stacked weights, run with grouped GEMMs.
+"""This rank's experts as stacked weights: on the CPU one expert at a time through a fused MLP
+(`_LoopedExpertMLP`), elsewhere with grouped GEMMs.
 
 Legend: E_l local experts, H hidden, F expert ffn hidden, N routed rows (sorted by expert),
-P rows after padding on the CPU (see `padded_rows`).
+X rows of the input (N, or T tokens that the rows gather from), n one expert's rows, p those rows
+padded (see `padded_rows`).
 """
+
+import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +33,7 @@ class GroupedExperts(nn.Module):
         for param in self.parameters():
             param.expert_global_ids = tuple(global_ids)
         self._init_by_global_id(num_experts, global_ids, init_std, output_init_std)
+        self.grad_buffers = GradientBuffers()
 
     @torch.no_grad()
     def _init_by_global_id(self, num_experts: int, global_ids: list[int], std: float, output_std: float) -> None:
@@ -41,37 +47,170 @@ class GroupedExperts(nn.Module):
                 self.w1[local_index[g]] = w1
                 self.w2[local_index[g]] = w2
 
-    def forward(self, x_NH: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_XH: torch.Tensor, counts_El: torch.Tensor, token_N: torch.Tensor | None = None) -> torch.Tensor:
+        """Outputs [N, H] of the rows grouped by expert: x's rows, or with `token_N` x's rows token_N
+        (gathered here, an expert at a time, instead of into an [N, H] copy)."""
         w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
-        if torch.is_autocast_enabled(x_NH.device.type):  # grouped GEMMs are not on autocast's list
-            dtype = torch.get_autocast_dtype(x_NH.device.type)
-            x_NH, w1, b1, w2, b2 = (t.to(dtype) for t in (x_NH, w1, b1, w2, b2))
-        rows = x_NH.shape[0]
-        if x_NH.device.type == "cpu":
-            x_NH, counts_El = pad_last_group(x_NH, counts_El, padded_rows(rows))
-        return grouped_linear(F.gelu(grouped_linear(x_NH, w1, b1, counts_El)), w2, b2, counts_El)[:rows]
+        if torch.is_autocast_enabled(x_XH.device.type):  # grouped GEMMs are not on autocast's list
+            dtype = torch.get_autocast_dtype(x_XH.device.type)
+            x_XH, w1, b1, w2, b2 = (t.to(dtype) for t in (x_XH, w1, b1, w2, b2))
+        if x_XH.device.type == "cpu":
+            return _LoopedExpertMLP.apply(x_XH, token_N, w1, b1, w2, b2, counts_El.tolist(), self.grad_buffers)
+        x_NH = x_XH if token_N is None else x_XH.index_select(0, token_N)
+        return grouped_linear(F.gelu(grouped_linear(x_NH, w1, b1, counts_El)), w2, b2, counts_El)
 
 
 def padded_rows(rows: int) -> int:
-    """`rows` rounded up to one of 8 sizes per power of two (at most 1/8 more rows).
+    """`rows` rounded up to one of 16 sizes per power of two (at most 1/16 more rows).
 
-    The number of routed rows changes from step to step. On the CPU, torch runs GELU (forward and
-    backward) through oneDNN, which compiles and caches a kernel for every new input shape; each
-    leaves many small long-lived allocations in the holes that freed activations leave in glibc's
-    heap, so those holes can no longer hold the next step's large tensors nor go back to the
-    system, and the process grows by megabytes per step for hundreds of steps
-    (benchmarks/memory.py). With few sizes, the kernels are all compiled in the first steps."""
-    step = 1 << max(rows.bit_length() - 4, 0)
+    Each expert's row count changes from step to step. On the CPU, oneDNN runs GELU (forward and
+    backward) and the experts' GEMMs (`linear`), and compiles and caches a kernel for every new
+    input shape (about 0.6 MiB each at h 512); each leaves many small long-lived allocations in the
+    holes that freed activations leave in glibc's heap, so those holes can no longer hold the next
+    step's large tensors nor go back to the system, and the process grows by megabytes per step for
+    hundreds of steps (benchmarks/memory.py). With few sizes, the kernels are all compiled in the
+    first steps. The padded rows are computed and thrown away: 16 sizes waste 1.5% of the GEMMs on
+    average, 8 sizes measured 3%."""
+    step = 1 << max(rows.bit_length() - 5, 0)
     return -(-rows // step) * step
 
 
-def pad_last_group(x_NH: torch.Tensor, counts_El: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero rows appended to the last expert's group up to `rows` [P, H]: their outputs are cut
-    off after the experts, so they add nothing to any gradient."""
-    pad = rows - x_NH.shape[0]
-    if pad == 0:
-        return x_NH, counts_El
-    counts_El = counts_El.clone()
-    counts_El[-1] += pad
-    return F.pad(x_NH, (0, 0, 0, pad)), counts_El
+class _LoopedExpertMLP(torch.autograd.Function):
+    """y = gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e] for the rows of each expert e, one expert at a time.
 
+    On the CPU this beats `torch._grouped_mm` (whose fallback loops over the groups too, with extra
+    copies) and a GELU over all rows: each expert's [p, F] activation is still in cache when GELU
+    and the next GEMM read it, the biases ride in the GEMMs, and only the input and the
+    pre-activations are saved (the backward recomputes each expert's GELU). GELU and the GEMMs
+    whose rows are the expert's rows run over `padded_rows(n)` rows (the rows after an expert's
+    own belong to the next expert, or are zeros, and their results are dropped) so that oneDNN
+    sees few shapes. The weight gradients take exactly the expert's rows."""
+
+    @staticmethod
+    def forward(
+        ctx, x_XH: torch.Tensor, token_N: torch.Tensor | None, w1_EHF: torch.Tensor, b1_EF: torch.Tensor,
+        w2_EFH: torch.Tensor, b2_EH: torch.Tensor, counts: list[int], grad_buffers: "GradientBuffers",
+    ) -> torch.Tensor:
+        spans = expert_spans(counts)
+        y_NH = x_XH.new_empty(sum(counts), w2_EFH.shape[2])
+        h_pF: list[torch.Tensor] = []
+        with torch.autocast(x_XH.device.type, enabled=False):
+            for e, (s, n, p) in enumerate(spans):
+                if n == 0:
+                    h_pF.append(x_XH.new_empty(0))
+                    continue
+                h_pF.append(linear(expert_rows(x_XH, token_N, s, p), w1_EHF[e].t(), b1_EF[e]))
+                y_NH[s:s + n] = linear(F.gelu(h_pF[-1]), w2_EFH[e].t(), b2_EH[e])[:n]
+        ctx.save_for_backward(x_XH, token_N, w1_EHF, w2_EFH, *h_pF)
+        ctx.spans, ctx.grad_buffers = spans, grad_buffers
+        return y_NH
+
+    @staticmethod
+    def backward(ctx, grad_NH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_XH, token_N, w1_EHF, w2_EFH, *h_pF = ctx.saved_tensors
+        grad_NH = grad_NH.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # gathered rows add their gradients into their tokens
+            grad_x = torch.empty_like(x_XH) if token_N is None else torch.zeros_like(x_XH)
+        weight_grads = None  # frozen experts (all four tensors) take no gradient buffers
+        if any(ctx.needs_input_grad[2:6]):
+            weight_grads = (ctx.grad_buffers.take("w1", w1_EHF), w1_EHF.new_empty(w1_EHF.shape[0], w1_EHF.shape[2]),
+                            ctx.grad_buffers.take("w2", w2_EFH), w2_EFH.new_empty(w2_EFH.shape[0], w2_EFH.shape[2]))
+        with torch.autocast(x_XH.device.type, enabled=False):
+            for e, ((s, n, p), h) in enumerate(zip(ctx.spans, h_pF)):
+                if n == 0:  # an expert without rows gets zero gradients
+                    for grad in weight_grads or ():
+                        grad[e].zero_()
+                    continue
+                grad_pH = row_block(grad_NH, s, p)
+                if weight_grads:
+                    torch.mm(F.gelu(h)[:n].t(), grad_pH[:n], out=weight_grads[2][e])
+                    torch.sum(grad_pH[:n], 0, out=weight_grads[3][e])
+                grad_pF = linear(grad_pH, w2_EFH[e], None)  # of the GELU output, then in place of its input
+                torch.ops.aten.gelu_backward.grad_input(grad_pF, h, grad_input=grad_pF)
+                if weight_grads:
+                    torch.mm(expert_rows(x_XH, token_N, s, n).t(), grad_pF[:n], out=weight_grads[0][e])
+                    torch.sum(grad_pF[:n], 0, out=weight_grads[1][e])
+                if grad_x is None:
+                    continue
+                grad_nH = linear(grad_pF, w1_EHF[e], None)[:n]
+                if token_N is None:
+                    grad_x[s:s + n] = grad_nH
+                else:
+                    grad_x.index_add_(0, token_N[s:s + n], grad_nH)
+        wanted = [g if need else None for g, need in zip(weight_grads or (None,) * 4, ctx.needs_input_grad[2:6])]
+        return grad_x, None, *wanted, None, None
+
+
+class GradientBuffers:
+    """The experts' weight gradients, reused from step to step.
+
+    Each is one tensor over all local experts, above glibc's largest heap allocation (32 MiB), so a
+    fresh one is a fresh mapping whose pages the kernel faults in and zeroes one by one: on the
+    development VM 10-22% of the layer's step (128 MiB a step at h 512, E 16; 512 MiB at E 64), which
+    DeepSpeed's per-expert gradients, small enough for the heap, partly escape. The price: between
+    steps the buffers stay allocated even where the gradients were set to None. A buffer is handed
+    out again only when nothing else holds its storage, i.e. the gradient it became was set to None
+    or was added into an existing .grad; otherwise a new one takes its place in the cache."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (buffer, its storage uses when idle)
+
+    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor shaped as `like`, on a buffer nothing else uses."""
+        buffer, idle_uses = self._cache.get(name, (None, 0))
+        reusable = (buffer is not None and buffer.shape == like.shape and buffer.dtype == like.dtype
+                    and buffer.device == like.device and idle_uses >= 0 and storage_uses(buffer) == idle_uses)
+        if not reusable:
+            buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
+            self._cache[name] = (buffer, storage_uses(buffer))
+        return buffer.detach()  # a tensor of its own, which autograd may keep as .grad without copying
+
+
+def storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold t's storage, through torch's private counter;
+    -1 where this torch has none, which makes `GradientBuffers` allocate every time."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return -1
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def expert_rows(x_XH: torch.Tensor, token_N: torch.Tensor | None, start: int, rows: int) -> torch.Tensor:
+    """Routed rows start .. start + rows [rows, H]: x's own, or gathered from x by token_N."""
+    if token_N is None:
+        return row_block(x_XH, start, rows)
+    return x_XH.index_select(0, row_block(token_N, start, rows))
+
+
+def row_block(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """t[start:start + rows], padded with zeros past t's end."""
+    block = t[start:start + rows]
+    return block if len(block) == rows else F.pad(block, (0, 0) * (t.dim() - 1) + (0, rows - len(block)))
+
+
+def linear(x_pK: torch.Tensor, weight_MK: torch.Tensor, bias_M: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias [p, M], through oneDNN where it runs (on the development VM's AMD EPYC
+    10-15% faster in fp32 than the MKL sgemm behind torch.mm at these shapes), else torch's GEMM."""
+    if onednn_linear_runs(x_pK.device.type, x_pK.dtype):
+        return torch.ops.mkldnn._linear_pointwise(x_pK, weight_MK, bias_M, "none", [], "")
+    if bias_M is None:
+        return torch.mm(x_pK, weight_MK.t())
+    return torch.addmm(bias_M, x_pK, weight_MK.t())
+
+
+@functools.cache
+def onednn_linear_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear (the op torch.compile uses on the CPU) runs here for this dtype."""
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x = torch.ones(2, 3, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ones(3, 4, dtype=dtype).t(), None, "none", [], "")
+        return bool(torch.equal(out, torch.full((2, 4), 3.0, dtype=dtype)))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def expert_spans(counts: list[int]) -> list[tuple[int, int, int]]:
+    """Each expert's (first row, rows, padded rows)."""
+    return [(s, n, padded_rows(n)) for s, n in zip(itertools.accumulate(counts, initial=0), counts)]

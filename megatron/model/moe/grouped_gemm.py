@@ -1,11 +1,9 @@
 """Grouped GEMM: rows of x [N, K], grouped by expert (counts [G]), times that group's w [G, K, M],
-plus that group's bias b [G, M].
+plus that group's bias b [G, M]. The experts' path off the CPU (experts.py runs its own loop there).
 
 `torch._grouped_mm` where it runs for this device, dtype and shape (probed once each); otherwise a
 loop over groups whose backward writes each group's weight gradient into one stacked tensor
 (slicing a stacked parameter in a Python loop would give every slice a full-size gradient).
-The bias is added per group in place and its gradient summed per group: on the CPU that is twice
-as fast as expanding it to every row, whose backward is a scatter.
 """
 
 import functools
@@ -35,20 +33,6 @@ class _LoopedGroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-class _AddGroupBias(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_NM: torch.Tensor, b_GM: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        ctx.counts = counts
-        for part, bias in zip(y_NM.split(counts), b_GM):
-            part += bias
-        ctx.mark_dirty(y_NM)
-        return y_NM
-
-    @staticmethod
-    def backward(ctx, grad_NM: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return grad_NM, torch.stack([part.sum(0) for part in grad_NM.split(ctx.counts)]), None
-
-
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype, k: int, m: int) -> bool:
     """Whether torch._grouped_mm runs forward and backward for this case (uneven, empty groups)."""
@@ -71,12 +55,8 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, k: int, m: int) -> boo
 
 def grouped_linear(x_NK: torch.Tensor, w_GKM: torch.Tensor, b_GM: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ w[g] + b[g]; rows must be sorted by group."""
-    on_cpu = x_NK.device.type == "cpu"
-    counts = counts_G.tolist() if on_cpu else None  # a host copy of the counts: free on the CPU
     if grouped_mm_runs(x_NK.device.type, x_NK.dtype, w_GKM.shape[1], w_GKM.shape[2]):
         y_NM = torch._grouped_mm(x_NK, w_GKM, offs=torch.cumsum(counts_G, 0).to(torch.int32))
     else:
-        y_NM = _LoopedGroupedLinear.apply(x_NK, w_GKM, counts or counts_G.tolist())
-    if on_cpu:
-        return _AddGroupBias.apply(y_NM, b_GM, counts)
+        y_NM = _LoopedGroupedLinear.apply(x_NK, w_GKM, counts_G.tolist())
     return y_NM + b_GM.repeat_interleave(counts_G, dim=0, output_size=x_NK.shape[0])

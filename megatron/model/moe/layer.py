@@ -13,7 +13,7 @@ from torch import nn
 from megatron.errors import ConfigError
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.dispatch import (
-    combine, exchange_counts, return_from_expert_ranks, send_to_expert_ranks, sort_by_expert,
+    combine, exchange_counts, return_from_expert_ranks, route_by_expert, send_to_expert_ranks, sort_by_expert,
 )
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import Router
@@ -60,10 +60,11 @@ class MoELayer(nn.Module):
         gating, logits_TE = self.router(x_TH, self.ep_group)
         # with experts on other ranks, their row counts travel while the rows are sorted
         counts = exchange_counts(gating, self.num_experts, self.ep_group) if self.ep_group is not None else None
-        rows_NH, counts_E, routes = sort_by_expert(x_TH, gating, self.num_experts)
-        if counts is None:
-            y_NH = self.experts(rows_NH, counts_E)
+        if counts is None:  # the experts gather their rows themselves, a block at a time
+            counts_E, routes = route_by_expert(gating, self.num_experts)
+            y_NH = self.experts(x_TH, counts_E, routes.token_N)
         else:
+            rows_NH, _, routes = sort_by_expert(x_TH, gating, self.num_experts)
             local_rows, local_counts = send_to_expert_ranks(rows_NH, counts, routes, self.ep_group)
             y_NH = return_from_expert_ranks(self.experts(local_rows, local_counts), routes, self.ep_group)
         out_TH = combine(y_NH, routes, x_TH.shape[0])
