@@ -184,14 +184,20 @@ def test_large_locked_tensor_starts_on_a_huge_page_and_is_unmapped_when_freed(tm
     assert _locked_kib() == locked_before  # every buffer was munlock'd and unmapped
 
 
-def test_unaligned_tensor_through_the_bounce_arena(tmp_path):
+@pytest.mark.parametrize("overlap_events", [False, True])
+@pytest.mark.parametrize("parallelism,async_op", [(1, False), (2, True)])
+def test_unaligned_tensor_through_the_bounce_arena(tmp_path, overlap_events, parallelism, async_op):
     # A tensor whose address is not page-aligned goes through the worker's bounce arena, slot by
-    # slot, more requests than slots, with small and large blocks.
-    for block_size in (4096, MiB):
-        handle = aio.aio_handle(block_size=block_size, queue_depth=8, overlap_events=True)
-        tensor = random_bytes(40 * MiB + 3 + 1, seed=block_size)[1:]
+    # slot, more requests than slots (its rings hold 4 MiB for reads, 32 MiB for writes), with small
+    # and large blocks (blocks over 1 MiB are cut to 1 MiB there); the blocks stream through the
+    # slots whatever overlap_events says.
+    for block_size, queue_depth in ((4096, 8), (MiB, 128), (8 * MiB, 128)):
+        handle = aio.aio_handle(block_size=block_size, queue_depth=queue_depth, overlap_events=overlap_events,
+                                intra_op_parallelism=parallelism)
+        tensor = random_bytes(80 * MiB + 3 + 1, seed=block_size)[1:]
         assert tensor.data_ptr() % 4096 != 0
-        assert torch.equal(write_then_read(handle, tensor, tmp_path / "t.bin", file_offset=4096), tensor)
+        out = write_then_read(handle, tensor, tmp_path / "t.bin", file_offset=4096, async_op=async_op)
+        assert torch.equal(out, tensor)
 
 
 def test_validate_passes(tmp_path):

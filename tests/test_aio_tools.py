@@ -68,7 +68,7 @@ def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "best read" in out and "best write" in out
     block = json.loads("{" + out[out.index('"aio": {'):] + "}")["aio"]
-    assert block == summary["aio"]  # what benchmarks/aio.py reads is what the user pastes
+    assert block == summary["aio"]  # what the user pastes is what the sweep found
     assert list(block) == ["block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"]
     assert block["block_size"] in (256 << 10, 1 << 20) and block["queue_depth"] == 4
     assert type(block["intra_op_parallelism"]) is int and block["single_submit"] is True

@@ -7,12 +7,51 @@
 #include <cstring>
 #include <string>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace megatron_aio {
 
 namespace {
 
-// Memory in flight through bounce buffers per worker; bounds the copies of unaligned tensors.
-constexpr size_t kBounceBytes = 32u << 20;
+// Unaligned memory goes through a ring of bounce slots per worker, sized per direction; measured
+// with 256 MiB-1 GiB plain tensors on a virtio disk, against a locked buffer in the same runs. Reads
+// land in a ring small enough to stay in the CPU caches and are copied out from there: 1.05-1.16x
+// with 4 MiB, 0.85-0.95x with 32 MiB. Writes are copied in with streaming stores (below) to a larger
+// ring: 0.8-0.9x with 32 MiB; with 4 MiB the disk idled at every completion's wake-up (0.3-1.0x
+// from round to round).
+constexpr size_t kReadBounceBytes = 4u << 20;
+constexpr size_t kWriteBounceBytes = 32u << 20;
+// Bounced requests are cut to at most a quarter of the read ring, so that a copy always has other
+// slots' transfers to overlap with.
+constexpr size_t kBounceBlock = kReadBounceBytes / 4;
+
+// memcpy into a bounce slot with streaming (non-temporal) stores where the CPU has them: the disk
+// reads the slot from memory, and bypassing the cache spares the memory bus the read-for-ownership
+// of every slot line, bandwidth the disk transfer beside it needs.
+void copy_streaming(char* destination, const char* source, size_t nbytes)
+{
+#if defined(__SSE2__)
+    const size_t head = std::min(nbytes, (16 - reinterpret_cast<uintptr_t>(destination) % 16) % 16);
+    std::memcpy(destination, source, head);
+    size_t done = head;
+    for (; done + 64 <= nbytes; done += 64) {
+        __m128i* out = reinterpret_cast<__m128i*>(destination + done);
+        const __m128i* in = reinterpret_cast<const __m128i*>(source + done);
+        const __m128i a = _mm_loadu_si128(in), b = _mm_loadu_si128(in + 1);
+        const __m128i c = _mm_loadu_si128(in + 2), d = _mm_loadu_si128(in + 3);
+        _mm_stream_si128(out, a);
+        _mm_stream_si128(out + 1, b);
+        _mm_stream_si128(out + 2, c);
+        _mm_stream_si128(out + 3, d);
+    }
+    std::memcpy(destination + done, source + done, nbytes - done);
+    _mm_sfence();  // streaming stores are weakly ordered: visible before the request is submitted
+#else
+    std::memcpy(destination, source, nbytes);
+#endif
+}
 
 std::string what(bool is_read, size_t nbytes, uint64_t file_offset)
 {
@@ -66,15 +105,21 @@ IoError SliceRunner::run(const Slice& slice)
 
 IoError SliceRunner::run_direct(const Slice& slice, char* user, uint64_t begin, uint64_t end)
 {
-    const size_t block = std::max(kAlignment, align_up(config_.block_size));
     // O_DIRECT needs the memory address aligned too; other memory is copied through bounce buffers.
     const bool bounce = reinterpret_cast<uintptr_t>(user) % kAlignment != 0;
+    size_t block = std::max(kAlignment, align_up(config_.block_size));
     unsigned depth = context_.capacity();
     if (bounce) {
-        depth = static_cast<unsigned>(std::min<size_t>(depth, std::max<size_t>(1, kBounceBytes / block)));
+        block = std::min(block, kBounceBlock);
+        const size_t ring = slice.is_read ? kReadBounceBytes : kWriteBounceBytes;
+        depth = static_cast<unsigned>(std::min<size_t>(depth, ring / block));
         if (!bounce_ || bounce_->size() < depth * block) bounce_ = std::make_unique<AlignedBuffer>(depth * block, true);
     }
     auto bounce_slot = [&](unsigned slot) { return bounce_->data() + static_cast<size_t>(slot) * block; };
+    // overlap_events tops the queue up after every completion; otherwise the whole batch has to
+    // finish before the next one goes out. Bounce copies always top up, one block at a time (below):
+    // waiting for a whole batch would leave the disk idle during every copy.
+    const bool top_up = config_.overlap_events || bounce;
 
     std::vector<Request> slots(depth);
     std::vector<unsigned> free_slots;
@@ -85,35 +130,46 @@ IoError SliceRunner::run_direct(const Slice& slice, char* user, uint64_t begin, 
     unsigned in_flight = 0;
     IoError first_error;
 
-    for (;;) {
-        // overlap_events tops the queue up after every completion; otherwise the whole batch
-        // has to finish before the next one goes out.
-        if (!first_error && next < end && (config_.overlap_events || in_flight == 0)) {
-            batch.clear();
-            while (next < end && in_flight + batch.size() < depth) {
-                const unsigned slot = free_slots.back();
-                free_slots.pop_back();
-                Request& request = slots[slot];
-                request.nbytes = static_cast<size_t>(std::min<uint64_t>(block, end - next));
-                request.file_offset = next;
-                request.user = user + (next - begin);
-                char* io_buffer = bounce ? bounce_slot(slot) : request.user;
-                if (bounce && !slice.is_read) std::memcpy(io_buffer, request.user, request.nbytes);
-                std::memset(&request.cb, 0, sizeof(request.cb));
-                request.cb.aio_data = slot;
-                request.cb.aio_lio_opcode = slice.is_read ? IOCB_CMD_PREAD : IOCB_CMD_PWRITE;
-                request.cb.aio_fildes = static_cast<uint32_t>(slice.direct_fd);
-                request.cb.aio_buf = reinterpret_cast<uint64_t>(io_buffer);
-                request.cb.aio_nbytes = request.nbytes;
-                request.cb.aio_offset = static_cast<int64_t>(next);
-                batch.push_back(&request.cb);
-                next += request.nbytes;
+    // The next block into a free slot; a write's bytes are copied into its bounce slot first.
+    auto prepare = [&]() {
+        const unsigned slot = free_slots.back();
+        free_slots.pop_back();
+        Request& request = slots[slot];
+        request.nbytes = static_cast<size_t>(std::min<uint64_t>(block, end - next));
+        request.file_offset = next;
+        request.user = user + (next - begin);
+        char* io_buffer = bounce ? bounce_slot(slot) : request.user;
+        if (bounce && !slice.is_read) copy_streaming(io_buffer, request.user, request.nbytes);
+        std::memset(&request.cb, 0, sizeof(request.cb));
+        request.cb.aio_data = slot;
+        request.cb.aio_lio_opcode = slice.is_read ? IOCB_CMD_PREAD : IOCB_CMD_PWRITE;
+        request.cb.aio_fildes = static_cast<uint32_t>(slice.direct_fd);
+        request.cb.aio_buf = reinterpret_cast<uint64_t>(io_buffer);
+        request.cb.aio_nbytes = request.nbytes;
+        request.cb.aio_offset = static_cast<int64_t>(next);
+        next += request.nbytes;
+        batch.push_back(&request.cb);
+    };
+    auto more = [&] { return !first_error && next < end && !free_slots.empty(); };
+    // A bounce block goes to the disk as soon as it is copied in, so the disk works on it while
+    // the CPU copies the next one; direct blocks go out together, one system call per batch.
+    auto fill = [&] {
+        batch.clear();
+        while (more()) {
+            prepare();
+            if (bounce) {
+                first_error = submit(batch, in_flight, free_slots);
+                batch.clear();
             }
-            first_error = submit(batch, in_flight, free_slots);
         }
+        if (!batch.empty()) first_error = submit(batch, in_flight, free_slots);
+    };
+
+    for (;;) {
+        if (top_up || in_flight == 0) fill();
         if (in_flight == 0) return first_error;
 
-        const long count = context_.get_events(config_.overlap_events ? 1 : in_flight, in_flight, events.data());
+        const long count = context_.get_events(top_up ? 1 : in_flight, in_flight, events.data());
         if (count < 0) return {static_cast<int>(-count), "io_getevents"};
         for (long i = 0; i < count; ++i) {
             const auto slot = static_cast<unsigned>(events[i].data);
@@ -122,6 +178,8 @@ IoError SliceRunner::run_direct(const Slice& slice, char* user, uint64_t begin, 
             if (!first_error) first_error = error;
             free_slots.push_back(slot);
             --in_flight;
+            // A read's bounce slot goes back to the disk as soon as it is copied out.
+            if (bounce && slice.is_read) fill();
         }
     }
 }

@@ -11,6 +11,11 @@ for nor reports earlier asynchronous operations; those belong to `wait()`.
 
 As DeepNVMe's, `async_pwrite` also takes an open file descriptor in the file name's place, and
 `is_pinned` says whether a tensor needs no bounce copy.
+
+Memory that is not page-aligned (a plain `torch.empty` tensor) moves through each worker thread's
+bounce ring one block at a time, every copy overlapping the disk transfers of the other blocks,
+whatever `overlap_events` says: the defaults stay DeepNVMe's, and the flag keeps its meaning for
+aligned memory (top the queue up after every completion instead of waiting for whole batches).
 """
 
 import errno

@@ -1,7 +1,8 @@
 """`ds_io`: one read or write measurement of the async-I/O op, printed as GB/s (1 GB = 1e9 bytes).
 
 The pieces here (sizes, folder checks, the `Workload` of buffers and files, `measure`) are shared
-by `ds_nvme_tune` and `benchmarks/aio.py`, so that all three time I/O the same way.
+by `ds_nvme_tune` and the benchmarks; `Workload.run` and benchmarks/aio.py time a pass alike: every
+request submitted, then one wait.
 """
 
 import argparse
@@ -108,7 +109,7 @@ def drop_page_cache() -> bool:
     return True
 
 
-def _fill(buffer: torch.Tensor) -> None:
+def fill_pattern(buffer: torch.Tensor) -> None:
     # Non-constant bytes (no drive can compress them away), but a 1 MiB pattern repeated: random_()
     # over 1 GiB takes seconds on two cores.
     pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).to(buffer.device)
@@ -145,7 +146,7 @@ class Workload:
         else:
             self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self.files]
         for buffer in self.buffers:
-            _fill(buffer)
+            fill_pattern(buffer)
         return self
 
     def __exit__(self, *exc: object) -> None:
