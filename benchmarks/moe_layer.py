@@ -331,16 +331,24 @@ def release_free_heap() -> None:
         pass
 
 
-def measure_memory(case: Case, impls: list[str], threads: int) -> dict:
-    row = {**case._asdict(), "capacity": capacity(case)}
-    for impl in impls:
-        cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--threads", str(threads),
-               "--memory-child", impl, *(str(int(v)) for v in case)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:  # e.g. killed for memory: say so and keep the other rows
-            print(f"memory step of {impl} for {case} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-            continue
-        row[f"{impl}_extra_bytes"] = json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
+def measure_memory(case: Case, impls: list[str], threads: int, repeats: int) -> dict:
+    """Median over `repeats` fresh processes per implementation, taken in turns: one process's peak
+    moves by up to a third with the heap's state (DeepSpeed's most)."""
+    row: dict[str, Any] = {**case._asdict(), "capacity": capacity(case)}
+    samples: dict[str, list[int]] = {impl: [] for impl in impls}
+    for _ in range(repeats):
+        for impl in impls:
+            cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--threads", str(threads),
+                   "--memory-child", impl, *(str(int(v)) for v in case)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:  # e.g. killed for memory: say so and keep the other rows
+                print(f"memory step of {impl} for {case} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+                continue
+            samples[impl].append(json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"])
+    for impl, values in samples.items():
+        if values:
+            row[f"{impl}_extra_bytes"] = statistics.median(values)
+            row[f"{impl}_extra_bytes_range"] = [min(values), max(values)]
     if "ours_extra_bytes" in row and "deepspeed_extra_bytes" in row:
         row["ours_over_deepspeed_bytes"] = row["ours_extra_bytes"] / row["deepspeed_extra_bytes"]
     return row
@@ -428,6 +436,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cap-gib", type=float, default=4.0, help="skip (b) where its [S,E,C] tensors exceed this")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per implementation and case")
     parser.add_argument("--quick", action="store_true", help="four small cases (< 1 min)")
     parser.add_argument("--ep-size", type=int, choices=[1, 2], default=1,
                         help="2: expert parallelism over two gloo processes of one thread each (benchmarks/moe_ep.py),"
@@ -482,7 +491,8 @@ def main() -> None:
     print_timing(rows)
     sys.stdout.flush()
     memory_rows = [] if args.no_memory else [
-        measure_memory(c, [i for i in impls_of(c, wanted, cap_bytes) if i != "dense"], torch.get_num_threads())
+        measure_memory(c, [i for i in impls_of(c, wanted, cap_bytes) if i != "dense"], torch.get_num_threads(),
+                       args.memory_repeats)
         for c in grid
     ]
     if memory_rows:
