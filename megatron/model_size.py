@@ -111,11 +111,25 @@ def with_scale(n: float) -> str:
     return f"{n:,.0f}"
 
 
+def model_options(config: GPTConfig) -> str:
+    """The Megatron-LM model options that differ from the classic GPT, as a list to read ('' for none)."""
+    c = config
+    options = [
+        (c.num_query_groups is not None, f"{c.kv_heads} query groups"), (c.kv_channels is not None, f"head dim {c.head_dim}"),
+        (c.qk_layernorm, "qk norm"), (c.swiglu, "SwiGLU"), (c.normalization != "LayerNorm", c.normalization),
+        (not c.add_bias_linear, "no linear biases"), (c.untie_embeddings_and_output_weights, "untied output layer"),
+        (c.position_embedding_type != "learned_absolute", f"{c.position_embedding_type} positions"),
+        (c.rotary_percent != 1.0, f"rotary percent {c.rotary_percent:g}"),
+    ]
+    return "".join(f", {text}" for given, text in options if given)
+
+
 def size_report(config: GPTConfig, seq_length: int, world_size: int, chosen_ep: int | None = None) -> list[str]:
     """The lines `pretrain_gpt.py --dry-run` and tools/model_size.py print."""
     size = model_size(config, seq_length)
     lines = [
-        f"model: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
+        f"model: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads"
+        f"{model_options(config)}, "
         f"sequence {seq_length:,}, vocabulary {config.vocab_size:,} (padded), "
         f"experts per layer {config.experts_per_layer}"
         + (f", residual (PR-MoE), top-{config.moe.topk}" if config.mlp_type == "residual" else

@@ -20,7 +20,7 @@ from megatron.config.runtime_schema import RuntimeConfig, explain, resolve_batch
 from megatron.data.gpt_dataset import SPLIT_CUMULATIVE, SPLIT_ROUNDINGS
 from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
-from megatron.model.config import MLP_TYPES, GPTConfig
+from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
 from megatron.model.moe.config import DROP_POLICIES
 from megatron.runtime.lr_schedules import scheduler_parameters
@@ -154,13 +154,29 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--num-attention-heads", type=positive_int, required=True)
     g.add_argument("--seq-length", type=positive_int, required=True)
     g.add_argument("--max-position-embeddings", type=positive_int, default=None, help="default --seq-length")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="learned_absolute")
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope")
+    g.add_argument("--rotary-percent", type=positive_float, default=1.0,
+                   help="rope rotates this share of each head's dims, the first ones (GPT-NeoX: 0.25)")
     g.add_argument("--rotary-base", type=positive_float, default=10000.0)
     g.add_argument("--hidden-dropout", type=probability, default=0.1)
     g.add_argument("--attention-dropout", type=probability, default=0.1)
-    g.add_argument("--init-method-std", type=positive_float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=positive_float, default=1e-5)
+    g.add_argument("--init-method-std", type=positive_float, default=0.02,
+                   help="std of every weight matrix's normal init (output projections scaled by 1/sqrt(2 x layers))")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=positive_float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU dense MLP: --ffn-hidden-size gated units")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the attention and MLP linears")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own instead of the token embedding")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention: --num-query-groups key/value heads shared by the attention heads")
+    g.add_argument("--num-query-groups", type=positive_int, default=None,
+                   help="key/value heads under --group-query-attention; default 1 as in Megatron-LM")
+    g.add_argument("--kv-channels", type=positive_int, default=None, help="head dim; default hidden size / heads")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="a --normalization norm over each head's queries and keys, before rope")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     g.add_argument("--checkpoint-activations", "--recompute-activations", action="store_true", dest="checkpoint_activations")
 
@@ -303,6 +319,15 @@ def _tokens(args: argparse.Namespace, kind: str, seq: int, gbs: int, default_tok
     return value * gbs * seq if which.endswith("iters") else value * seq if which.endswith("samples") else value
 
 
+def _num_query_groups(args: argparse.Namespace) -> int | None:
+    """Megatron-LM's GQA flags: --num-query-groups counts only with --group-query-attention (default 1)."""
+    if not args.group_query_attention:
+        if args.num_query_groups is not None:
+            raise ConfigError("--num-query-groups needs --group-query-attention; add it, or drop --num-query-groups")
+        return None
+    return args.num_query_groups or 1
+
+
 def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The model's shape from the flags (vocab_size is filled in once the tokenizer is known)."""
     max_positions = args.max_position_embeddings or args.seq_length
@@ -310,9 +335,13 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        init_method_std=args.init_method_std, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        num_query_groups=_num_query_groups(args), kv_channels=args.kv_channels, qk_layernorm=args.qk_layernorm,
         position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
-        rotary_base=args.rotary_base, checkpoint_activations=args.checkpoint_activations,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        checkpoint_activations=args.checkpoint_activations,
         num_experts=tuple(args.num_experts), expert_interval=args.expert_interval, mlp_type=args.mlp_type,
         moe=MoEConfig(
             topk=args.topk, train_capacity_factor=args.moe_train_capacity_factor,

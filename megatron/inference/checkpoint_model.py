@@ -22,6 +22,8 @@ from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_
 from megatron.checkpoint.tensors import ShardedReader, load_model_entries
 
 TOKENIZER_FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")
+# GPTConfig fields under the names older checkpoints saved them with
+RENAMED_FIELDS = {"layernorm_epsilon": "norm_epsilon"}
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,11 @@ def read_client_state(folder: Path) -> dict[str, Any]:
 
 
 def model_config_from_state(saved: dict[str, Any], folder: Path) -> GPTConfig:
-    """The GPTConfig saved as a JSON object (tuples come back as lists, MoEConfig as an object)."""
+    """The GPTConfig saved as a JSON object (tuples come back as lists, MoEConfig as an object).
+    Fields added since take their defaults; renamed ones are read under their old names too."""
+    renamed = {RENAMED_FIELDS.get(name, name): value for name, value in saved.items()}
     try:
-        return GPTConfig(**{**saved, "num_experts": tuple(saved["num_experts"]), "moe": MoEConfig(**saved["moe"])})
+        return GPTConfig(**{**renamed, "num_experts": tuple(saved["num_experts"]), "moe": MoEConfig(**saved["moe"])})
     except (TypeError, KeyError) as e:
         raise CheckpointError(
             f"the model config in {folder / ENGINE_FILE} does not fit this version's GPTConfig ({e}); "

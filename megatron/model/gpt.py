@@ -1,7 +1,8 @@
-"""GPT language model: token (+ learned position) embeddings -> pre-LN blocks (dense MLP or MoE)
--> final LN -> LM head tied to the token embedding. Returns logits, or per-token losses and the
-summed MoE router loss when labels are given. With a `KVCache` (from `new_kv_cache`) the tokens
-given are the next ones after those already cached, for incremental decoding.
+"""GPT language model: token (+ learned position) embeddings -> pre-norm blocks (dense MLP or MoE)
+-> final norm -> LM head, tied to the token embedding unless --untie-embeddings-and-output-weights
+gives it its own `output_layer`. Returns logits, or per-token losses and the summed MoE router
+loss when labels are given. With a `KVCache` (from `new_kv_cache`) the tokens given are the next
+ones after those already cached, for incremental decoding.
 """
 
 import torch
@@ -13,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.moe import MoELayer
-from megatron.model.transformer import MLP, TransformerBlock, init_normal_, output_layer_std
+from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
 
 
 class GPTModel(nn.Module):
@@ -32,7 +33,11 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(config, self._mlp(config, experts, ep_group)) for experts in config.experts_per_layer
         )
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_layernorm = build_norm(config, config.hidden_size)
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            init_normal_(self.output_layer.weight, config.init_method_std)
 
     @staticmethod
     def _mlp(config: GPTConfig, num_experts: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
@@ -49,7 +54,7 @@ class GPTModel(nn.Module):
         positions the model has)."""
         c = self.config
         weight = self.word_embeddings.weight
-        return KVCache(c.num_layers, batch, c.num_attention_heads, max_length or c.max_position_embeddings,
+        return KVCache(c.num_layers, batch, c.kv_heads, max_length or c.max_position_embeddings,
                        c.head_dim, dtype=weight.dtype, device=weight.device)
 
     def forward(
@@ -78,7 +83,8 @@ class GPTModel(nn.Module):
                 layer_cache = None if kv_cache is None else kv_cache.layers[index]
                 x_BSH, layer_loss = layer(x_BSH, position_ids_BS, layer_cache)
             router_loss = router_loss + layer_loss
-        logits_BSV = F.linear(self.final_layernorm(x_BSH), self.word_embeddings.weight)
+        head_VH = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        logits_BSV = F.linear(self.final_layernorm(x_BSH), head_VH)
         if labels_BS is None:
             return logits_BSV
         losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")

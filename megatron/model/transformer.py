@@ -1,9 +1,13 @@
-"""Pre-LN transformer block as Megatron builds it: LN -> causal self-attention -> residual,
-LN -> MLP -> residual. The MLP is passed in, so a block can hold a dense MLP or an MoE layer.
+"""Pre-LN transformer block as Megatron builds it: norm -> causal self-attention -> residual,
+norm -> MLP -> residual. The MLP is passed in, so a block can hold a dense MLP or an MoE layer.
+Megatron-LM's model options shape the parts: LayerNorm or RMSNorm, GELU or SwiGLU, biases or
+none, grouped-query attention, a head dim of its own, query/key norms, full or partial rope.
 
-Shapes: B batch, S sequence, H hidden, N heads, D head dim (H = N * D), F ffn hidden.
+Shapes: B batch, S sequence, H hidden, N heads, G key/value heads (query groups under GQA, else
+N), D head dim (N * D = H unless --kv-channels says otherwise), R rotary dims, F ffn hidden.
 """
 
+import functools
 import math
 
 import torch
@@ -18,29 +22,49 @@ def init_normal_(weight: torch.Tensor, std: float) -> None:
     nn.init.normal_(weight, mean=0.0, std=std)
 
 
+def init_linear_(linear: nn.Linear, std: float) -> None:
+    init_normal_(linear.weight, std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
 def output_layer_std(config: GPTConfig) -> float:
     """Megatron scales the init of projections that write into the residual stream by
     1/sqrt(2L), so the residual variance does not grow with depth."""
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half form), cos/sin tables cached per length."""
+def build_norm(config: GPTConfig, size: int) -> nn.Module:
+    """The --normalization of the last `size` dims (weight "weight", and "bias" for LayerNorm)."""
+    norm = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+    return norm(size, eps=config.norm_epsilon)
 
-    def __init__(self, head_dim: int, base: float, max_positions: int) -> None:
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half form) of each head's first R dims, the rest passed
+    through (GPT-NeoX's and Megatron's --rotary-percent); cos/sin tables cached per position."""
+
+    def __init__(self, rotary_dims: int, base: float, max_positions: int) -> None:
         super().__init__()
-        inv_freq_D2 = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles_SD2 = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq_D2)
-        angles_SD = torch.cat([angles_SD2, angles_SD2], dim=-1)
-        self.register_buffer("cos_SD", angles_SD.cos(), persistent=False)
-        self.register_buffer("sin_SD", angles_SD.sin(), persistent=False)
+        self.rotary_dims = rotary_dims
+        inv_freq_R2 = 1.0 / (base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float32) / rotary_dims))
+        angles_SR2 = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq_R2)
+        angles_SR = torch.cat([angles_SR2, angles_SR2], dim=-1)
+        self.register_buffer("cos_SR", angles_SR.cos(), persistent=False)
+        self.register_buffer("sin_SR", angles_SR.sin(), persistent=False)
 
     def forward(self, x_BNSD: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
-        cos = self.cos_SD[position_ids_BS].unsqueeze(1).to(x_BNSD.dtype)
-        sin = self.sin_SD[position_ids_BS].unsqueeze(1).to(x_BNSD.dtype)
-        first, second = x_BNSD.chunk(2, dim=-1)
+        if self.rotary_dims == x_BNSD.shape[-1]:
+            return self._rotate(x_BNSD, position_ids_BS)
+        x_BNSR, rest_BNSD = x_BNSD.split([self.rotary_dims, x_BNSD.shape[-1] - self.rotary_dims], dim=-1)
+        return torch.cat([self._rotate(x_BNSR, position_ids_BS), rest_BNSD], dim=-1)
+
+    def _rotate(self, x_BNSR: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        cos = self.cos_SR[position_ids_BS].unsqueeze(1).to(x_BNSR.dtype)
+        sin = self.sin_SR[position_ids_BS].unsqueeze(1).to(x_BNSR.dtype)
+        first, second = x_BNSR.chunk(2, dim=-1)
         rotated = torch.cat([-second, first], dim=-1)
-        return x_BNSD * cos + rotated * sin
+        return x_BNSR * cos + rotated * sin
 
 
 def causal_mask(seq: int, past: int, device: torch.device) -> torch.Tensor:
@@ -50,67 +74,112 @@ def causal_mask(seq: int, past: int, device: torch.device) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """query_key_value holds N query heads and G key and value heads. Without GQA its rows are
+    all queries, all keys, all values ([3, N, D]); with GQA they follow Megatron-LM: per query
+    group, its N/G query heads, then its key head, then its value head ([G, N/G + 2, D])."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
+        self.num_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.kv_heads, config.head_dim
+        self.grouped_layout = config.num_query_groups is not None
         self.dropout_p = config.attention_dropout
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        init_normal_(self.query_key_value.weight, config.init_method_std)
-        init_normal_(self.dense.weight, output_layer_std(config))
-        nn.init.zeros_(self.query_key_value.bias)
-        nn.init.zeros_(self.dense.bias)
+        query_width = self.num_heads * self.head_dim
+        bias = config.add_bias_linear
+        self.query_key_value = nn.Linear(config.hidden_size, query_width + 2 * self.kv_heads * self.head_dim, bias=bias)
+        self.dense = nn.Linear(query_width, config.hidden_size, bias=bias)
+        init_linear_(self.query_key_value, config.init_method_std)
+        init_linear_(self.dense, output_layer_std(config))
+        self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         self.rotary = (
-            RotaryEmbedding(config.head_dim, config.rotary_base, config.max_position_embeddings)
+            RotaryEmbedding(config.rotary_dims, config.rotary_base, config.max_position_embeddings)
             if config.position_embedding_type == "rope"
             else None
         )
+
+    def _split_heads(self, qkv_BSX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [B, N, S, D], keys and values [B, G, S, D] from the fused projection."""
+        batch, seq, _ = qkv_BSX.shape
+        if not self.grouped_layout:
+            qkv_BS3ND = qkv_BSX.view(batch, seq, 3, self.num_heads, self.head_dim)
+            q_BNSD, k_BNSD, v_BNSD = qkv_BS3ND.permute(2, 0, 3, 1, 4).unbind(0)
+            return q_BNSD, k_BNSD, v_BNSD
+        per_group = self.num_heads // self.kv_heads
+        qkv_BSGXD = qkv_BSX.view(batch, seq, self.kv_heads, per_group + 2, self.head_dim)
+        q_BSGQD, k_BSG1D, v_BSG1D = qkv_BSGXD.split([per_group, 1, 1], dim=3)
+        q_BNSD = q_BSGQD.reshape(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        return q_BNSD, k_BSG1D.squeeze(3).transpose(1, 2), v_BSG1D.squeeze(3).transpose(1, 2)
 
     def forward(
         self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, kv_cache: LayerKVCache | None = None
     ) -> torch.Tensor:
         """With `kv_cache`, x holds only the new tokens: they attend to the cached ones and themselves."""
-        batch, seq, hidden = x_BSH.shape
-        qkv_BS3ND = self.query_key_value(x_BSH).view(batch, seq, 3, self.num_heads, self.head_dim)
-        q_BNSD, k_BNSD, v_BNSD = qkv_BS3ND.permute(2, 0, 3, 1, 4).unbind(0)
+        batch, seq, _ = x_BSH.shape
+        q_BNSD, k_BGSD, v_BGSD = self._split_heads(self.query_key_value(x_BSH))
+        if self.q_layernorm is not None:
+            q_BNSD, k_BGSD = self.q_layernorm(q_BNSD), self.k_layernorm(k_BGSD)
         if self.rotary is not None:
             q_BNSD = self.rotary(q_BNSD, position_ids_BS)
-            k_BNSD = self.rotary(k_BNSD, position_ids_BS)
+            k_BGSD = self.rotary(k_BGSD, position_ids_BS)
         past = 0 if kv_cache is None else kv_cache.length
         if kv_cache is not None:
-            k_BNSD, v_BNSD = kv_cache.append(k_BNSD, v_BNSD)
+            k_BGSD, v_BGSD = kv_cache.append(k_BGSD, v_BGSD)
         # SDPA's is_causal aligns the mask top-left, so queries after cached keys need an explicit one
         mask_SK = None if past == 0 or seq == 1 else causal_mask(seq, past, x_BSH.device)
+        shared = {}
+        if self.kv_heads != self.num_heads:  # heads share keys: SDPA's GQA where this torch has it
+            if sdpa_takes_gqa():
+                shared = {"enable_gqa": True}
+            else:
+                repeats = self.num_heads // self.kv_heads
+                k_BGSD, v_BGSD = k_BGSD.repeat_interleave(repeats, dim=1), v_BGSD.repeat_interleave(repeats, dim=1)
         out_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BNSD, v_BNSD, attn_mask=mask_SK, is_causal=past == 0 and seq > 1,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            q_BNSD, k_BGSD, v_BGSD, attn_mask=mask_SK, is_causal=past == 0 and seq > 1,
+            dropout_p=self.dropout_p if self.training else 0.0, **shared,
         )
-        return self.dense(out_BNSD.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.dense(out_BNSD.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+@functools.cache
+def sdpa_takes_gqa() -> bool:
+    """Whether scaled_dot_product_attention takes enable_gqa (torch >= 2.5); torch 2.4, which the
+    package allows, gets the key/value heads repeated instead."""
+    q_BNSD, k_BGSD = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
+    try:
+        F.scaled_dot_product_attention(q_BNSD, k_BGSD, k_BGSD, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+def swiglu(x_BSF2: torch.Tensor) -> torch.Tensor:
+    """Megatron-LM's bias_swiglu (its bias already added by the linear): silu(first half) * second half."""
+    gate_BSF, up_BSF = torch.chunk(x_BSF2, 2, dim=-1)
+    return F.silu(gate_BSF) * up_BSF
 
 
 class MLP(nn.Module):
-    """Dense GELU MLP: H -> F -> H. Works on any leading shape."""
+    """Dense MLP: H -> F -> H with GELU, or with --swiglu H -> 2F -> (SwiGLU) F -> H. Works on any leading shape."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
-        init_normal_(self.dense_h_to_4h.weight, config.init_method_std)
-        init_normal_(self.dense_4h_to_h.weight, output_layer_std(config))
-        nn.init.zeros_(self.dense_h_to_4h.bias)
-        nn.init.zeros_(self.dense_4h_to_h.bias)
+        width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, width, bias=config.add_bias_linear)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        init_linear_(self.dense_h_to_4h, config.init_method_std)
+        init_linear_(self.dense_4h_to_h, output_layer_std(config))
+        self.activation = swiglu if config.swiglu else F.gelu
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x_BSH)))
+        return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x_BSH)))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, config: GPTConfig, mlp: nn.Module) -> None:
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.input_layernorm = build_norm(config, config.hidden_size)
         self.self_attention = CausalSelfAttention(config)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_attention_layernorm = build_norm(config, config.hidden_size)
         self.mlp = mlp
         self.dropout = nn.Dropout(config.hidden_dropout)
 
