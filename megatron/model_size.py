@@ -120,6 +120,7 @@ def model_options(config: GPTConfig) -> str:
         (not c.add_bias_linear, "no linear biases"), (c.untie_embeddings_and_output_weights, "untied output layer"),
         (c.position_embedding_type != "learned_absolute", f"{c.position_embedding_type} positions"),
         (c.rotary_percent != 1.0, f"rotary percent {c.rotary_percent:g}"),
+        (c.is_moe and c.moe_ffn_hidden_size != c.ffn_hidden_size, f"expert ffn {c.moe_ffn_hidden_size}"),
     ]
     return "".join(f", {text}" for given, text in options if given)
 

@@ -4,7 +4,7 @@ Face's Llama, Qwen3 and GPT-NeoX given the same weights, and composing with the 
 checkpoints, model sizing and MoE layers. Defaults keep the classic GPT (tests/test_model.py)."""
 
 import math
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 import pytest
@@ -294,6 +294,19 @@ def test_model_size_counts_the_parameters_and_flops_of_the_options(flags):
     with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model(tokens(2, 16))
     assert counter.get_total_flops() == config.flops_per_token(16) / 3 * 2 * 16
+
+
+def test_fine_grained_experts_take_their_own_width():
+    """--moe-ffn-hidden-size sizes the experts only; PR-MoE's residual MLP keeps --ffn-hidden-size."""
+    flags = "--num-experts 4 --ffn-hidden-size 48 --moe-ffn-hidden-size 16 --mlp-type residual --moe-router-topk 2"
+    config = replace(sized(flags), vocab_size=64)
+    moe = GPTModel(config).layers[1].mlp
+    assert moe.experts.w1.shape == (4, 32, 16) and moe.experts.w2.shape == (4, 16, 32)
+    assert moe.residual_mlp.dense_h_to_4h.out_features == 48 and config.moe.topk == 2
+    wide = replace(config, moe_ffn_hidden_size=48)
+    # one MoE layer, 2 experts per token, fwd+bwd = 3 x forward's 2 GEMMs of 2 h f FLOPs each
+    assert config.flops_per_token(16) - wide.flops_per_token(16) == 3 * 2 * 2 * 2 * 32 * (16 - 48)
+    assert model_size(config, 16).total == sum(p.numel() for p in GPTModel(config).parameters())
 
 
 def test_defaults_build_the_classic_model():

@@ -151,6 +151,8 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--num-layers", type=positive_int, required=True)
     g.add_argument("--hidden-size", type=positive_int, required=True)
     g.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden size")
+    g.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None,
+                   help="each expert's ffn width (fine-grained experts); default --ffn-hidden-size")
     g.add_argument("--num-attention-heads", type=positive_int, required=True)
     g.add_argument("--seq-length", type=positive_int, required=True)
     g.add_argument("--max-position-embeddings", type=positive_int, default=None, help="default --seq-length")
@@ -184,7 +186,7 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--num-experts", type=positive_int, nargs="+", default=[1],
                    help="experts per MoE layer: one value, or one per MoE layer (pyramid); 1 = dense")
     g.add_argument("--expert-interval", type=positive_int, default=2, help="layer n (from 1) is MoE when n %% interval == 0")
-    g.add_argument("--topk", type=positive_int, default=1)
+    g.add_argument("--topk", "--moe-router-topk", type=positive_int, default=1, help="experts per token")
     g.add_argument("--moe-expert-parallel-size", type=positive_int, default=1)
     g.add_argument("--moe-loss-coeff", type=non_negative_float, default=0.01)
     g.add_argument("--moe-z-loss-coeff", type=non_negative_float, default=0.0, help="ST-MoE router z-loss weight")
@@ -334,6 +336,7 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,

@@ -19,6 +19,8 @@ class GPTConfig:
     vocab_size: int | None
     max_position_embeddings: int
     ffn_hidden_size: int | None = None  # None means 4 * hidden_size, as in Megatron
+    # each expert's ffn width (fine-grained experts); None means ffn_hidden_size
+    moe_ffn_hidden_size: int | None = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02  # every weight matrix (projections into the residual scaled by 1/sqrt(2L))
@@ -46,6 +48,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         if self.normalization not in NORMALIZATIONS:
             raise ConfigError(f"unknown --normalization {self.normalization!r}; use LayerNorm or RMSNorm")
         self._check_attention()
@@ -140,12 +144,13 @@ class GPTConfig:
         queries, keys_values = self.num_attention_heads * self.head_dim, 2 * self.kv_heads * self.head_dim
         attention = 2 * h * (queries + keys_values) + 2 * queries * h + 2 * 2 * seq_length * queries
         mlp = 2 * (3 if self.swiglu else 2) * h * f
+        expert = 2 * 2 * h * self.moe_ffn_hidden_size  # GELU experts
         forward = 2 * h * self.vocab_size
         for experts in self.experts_per_layer:
             forward += attention
             if experts == 1:
                 forward += mlp
             else:
-                forward += self.moe.topk * mlp + 2 * h * experts
+                forward += self.moe.topk * expert + 2 * h * experts
                 forward += mlp + 2 * h * 2 if self.mlp_type == "residual" else 0
         return 3.0 * forward

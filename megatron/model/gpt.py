@@ -44,7 +44,7 @@ class GPTModel(nn.Module):
         if num_experts == 1:
             return MLP(config)
         return MoELayer(
-            config.hidden_size, config.ffn_hidden_size, num_experts, config.moe,
+            config.hidden_size, config.moe_ffn_hidden_size, num_experts, config.moe,
             init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
         )
