@@ -121,6 +121,8 @@ def model_options(config: GPTConfig) -> str:
         (c.position_embedding_type != "learned_absolute", f"{c.position_embedding_type} positions"),
         (c.rotary_percent != 1.0, f"rotary percent {c.rotary_percent:g}"),
         (c.is_moe and c.moe_ffn_hidden_size != c.ffn_hidden_size, f"expert ffn {c.moe_ffn_hidden_size}"),
+        (c.moe_shared_expert_intermediate_size is not None,
+         f"shared experts {c.moe_shared_expert_intermediate_size}{' gated' if c.moe_shared_expert_gate else ''}"),
     ]
     return "".join(f", {text}" for given, text in options if given)
 

@@ -254,6 +254,9 @@ def sized(flags: str) -> GPTConfig:
     ("--swiglu --num-experts 4", "--swiglu is not built yet for MoE layers"),
     ("--disable-bias-linear --num-experts 4", "--disable-bias-linear is not built yet for MoE layers"),
     ("--normalization BatchNorm", "--normalization: invalid choice: 'BatchNorm'"),
+    ("--num-experts 4 --moe-shared-expert-gate", "--moe-shared-expert-gate gates the shared experts"),
+    ("--moe-shared-expert-intermediate-size 16", "adds shared experts to MoE layers, but this model has none"),
+    ("--num-experts 4 --mlp-type residual --moe-shared-expert-intermediate-size 16", "choose one"),
 ])
 def test_a_bad_combination_names_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -306,6 +309,30 @@ def test_fine_grained_experts_take_their_own_width():
     wide = replace(config, moe_ffn_hidden_size=48)
     # one MoE layer, 2 experts per token, fwd+bwd = 3 x forward's 2 GEMMs of 2 h f FLOPs each
     assert config.flops_per_token(16) - wide.flops_per_token(16) == 3 * 2 * 2 * 2 * 32 * (16 - 48)
+    assert model_size(config, 16).total == sum(p.numel() for p in GPTModel(config).parameters())
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_experts_add_a_dense_mlp_to_the_routed_output(gated):
+    flags = f"--num-experts 4 --moe-shared-expert-intermediate-size 24{' --moe-shared-expert-gate' if gated else ''}"
+    config = replace(sized(flags), vocab_size=64, init_method_std=0.2)
+    layer = GPTModel(config).layers[1].mlp.eval()
+    x_BSH = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        with_shared, _ = layer(x_BSH)
+        shared = layer.shared_expert
+        x_TH = x_BSH.reshape(-1, 32)
+        mlp = shared.mlp
+        expected_TH = mlp.dense_4h_to_h(F.gelu(mlp.dense_h_to_4h(x_TH)))
+        assert mlp.dense_h_to_4h.out_features == 24 and (shared.gate is not None) == gated
+        if gated:
+            expected_TH = expected_TH * torch.sigmoid(x_TH @ shared.gate.weight.t())
+        layer.shared_expert = None
+        routed_only, _ = layer(x_BSH)
+    torch.testing.assert_close(with_shared - routed_only, expected_TH.view(2, 5, 32), rtol=1e-5, atol=1e-6)
+    plain = replace(config, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+    # one MoE layer: fwd+bwd = 3 x (the shared MLP's 2 GEMMs of 2 h f FLOPs, and the gate's 2 h)
+    assert config.flops_per_token(16) - plain.flops_per_token(16) == 3 * (2 * 2 * 32 * 24 + 2 * 32 * gated)
     assert model_size(config, 16).total == sum(p.numel() for p in GPTModel(config).parameters())
 
 

@@ -153,6 +153,10 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden size")
     g.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None,
                    help="each expert's ffn width (fine-grained experts); default --ffn-hidden-size")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
+                   help="width of a dense MLP every token of an MoE layer goes through beside its routed experts")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared experts' output per token by a sigmoid gate (Qwen2-MoE)")
     g.add_argument("--num-attention-heads", type=positive_int, required=True)
     g.add_argument("--seq-length", type=positive_int, required=True)
     g.add_argument("--max-position-embeddings", type=positive_int, default=None, help="default --seq-length")
@@ -337,6 +341,8 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
         swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,

@@ -21,6 +21,10 @@ class GPTConfig:
     ffn_hidden_size: int | None = None  # None means 4 * hidden_size, as in Megatron
     # each expert's ffn width (fine-grained experts); None means ffn_hidden_size
     moe_ffn_hidden_size: int | None = None
+    # always-on shared experts beside the routed ones: one dense MLP of this width (None: none),
+    # its output optionally scaled by a sigmoid gate per token (Qwen2-MoE)
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02  # every weight matrix (projections into the residual scaled by 1/sqrt(2L))
@@ -104,12 +108,28 @@ class GPTConfig:
             )
         if self.mlp_type == "residual" and not self.is_moe:
             raise ConfigError("--mlp-type residual needs MoE layers; give --num-experts greater than 1")
+        self._check_shared_experts()
         for flag, given in (("--swiglu", self.swiglu), ("--disable-bias-linear", not self.add_bias_linear)):
             if given and self.is_moe:
                 raise ConfigError(
                     f"{flag} is not built yet for MoE layers (SwiGLU and bias-free experts come later); "
                     f"drop {flag} or use a dense model (--num-experts 1)"
                 )
+
+    def _check_shared_experts(self) -> None:
+        shared = self.moe_shared_expert_intermediate_size
+        if self.moe_shared_expert_gate and shared is None:
+            raise ConfigError("--moe-shared-expert-gate gates the shared experts; add --moe-shared-expert-intermediate-size")
+        if shared is not None and not self.is_moe:
+            raise ConfigError(
+                "--moe-shared-expert-intermediate-size adds shared experts to MoE layers, but this model has none; "
+                "give --num-experts greater than 1 or drop the flag"
+            )
+        if shared is not None and self.mlp_type == "residual":
+            raise ConfigError(
+                "--mlp-type residual and --moe-shared-expert-intermediate-size both put a dense MLP beside the "
+                "experts; choose one (PR-MoE mixes it in with learned coefficients, shared experts add it)"
+            )
 
     @property
     def experts_per_layer(self) -> list[int]:
@@ -152,5 +172,7 @@ class GPTConfig:
                 forward += mlp
             else:
                 forward += self.moe.topk * expert + 2 * h * experts
+                if self.moe_shared_expert_intermediate_size is not None:
+                    forward += 2 * 2 * h * self.moe_shared_expert_intermediate_size + 2 * h * self.moe_shared_expert_gate
                 forward += mlp + 2 * h * 2 if self.mlp_type == "residual" else 0
         return 3.0 * forward

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.moe import MoELayer
+from megatron.model.moe.shared_expert import SharedExpert
 from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
 
 
@@ -47,7 +48,15 @@ class GPTModel(nn.Module):
             config.hidden_size, config.moe_ffn_hidden_size, num_experts, config.moe,
             init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
+            shared_expert=GPTModel._shared_expert(config),
         )
+
+    @staticmethod
+    def _shared_expert(config: GPTConfig) -> SharedExpert | None:
+        width = config.moe_shared_expert_intermediate_size
+        if width is None:
+            return None
+        return SharedExpert(MLP(config, width), config.hidden_size, config.moe_shared_expert_gate, config.init_method_std)
 
     def new_kv_cache(self, batch: int, max_length: int | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_length` tokens (default: the most

@@ -161,11 +161,13 @@ def swiglu(x_BSF2: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """Dense MLP: H -> F -> H with GELU, or with --swiglu H -> 2F -> (SwiGLU) F -> H. Works on any leading shape."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ffn_hidden_size: int | None = None) -> None:
+        """`ffn_hidden_size` overrides the config's F (shared experts have a width of their own)."""
         super().__init__()
-        width = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        width = 2 * ffn if config.swiglu else ffn
         self.dense_h_to_4h = nn.Linear(config.hidden_size, width, bias=config.add_bias_linear)
-        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        self.dense_4h_to_h = nn.Linear(ffn, config.hidden_size, bias=config.add_bias_linear)
         init_linear_(self.dense_h_to_4h, config.init_method_std)
         init_linear_(self.dense_4h_to_h, output_layer_std(config))
         self.activation = swiglu if config.swiglu else F.gelu

@@ -1,5 +1,5 @@
 """The MoE layer: router -> dispatch (sort, all-to-all) -> grouped experts -> combine, with an
-optional PR-MoE residual MLP. Self-contained: it takes its expert-parallel group explicitly and
+optional PR-MoE residual MLP or shared experts. Self-contained: it takes its expert-parallel group explicitly and
 knows nothing of training, checkpoints or the engine.
 
 Legend: B batch, S sequence, H hidden, T = B * S tokens, E experts in the layer.
@@ -30,6 +30,7 @@ class MoELayer(nn.Module):
         output_init_std: float,
         ep_group: dist.ProcessGroup | None = None,
         residual_mlp: nn.Module | None = None,
+        shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
@@ -51,6 +52,7 @@ class MoELayer(nn.Module):
             hidden_size, ffn_hidden_size, init_std, output_init_std,
         )
         self.residual_mlp = residual_mlp
+        self.shared_expert = shared_expert
         self.coefficient = nn.Linear(hidden_size, 2) if config.use_residual else None
         self.stats: dict[str, torch.Tensor] = {}
 
@@ -71,6 +73,8 @@ class MoELayer(nn.Module):
         if self.residual_mlp is not None:
             mix_T2 = F.softmax(self.coefficient(x_TH), dim=-1)
             out_TH = out_TH * mix_T2[:, :1] + self.residual_mlp(x_TH) * mix_T2[:, 1:]
+        if self.shared_expert is not None:
+            out_TH = out_TH + self.shared_expert(x_TH)
         loss = self.config.aux_loss_coeff * gating.l_aux
         if self.config.z_loss_coeff > 0:
             loss = loss + self.config.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
