@@ -116,7 +116,7 @@ BAD_FLAGS = [
     ("--clip-grad -1", "--clip-grad: '-1' is not zero or a positive number"),
     ("--weight-decay inf", "--weight-decay: 'inf' is not a finite number"),
     ("--num-experts 4 0", "--num-experts: '0' is not a positive integer"),
-    ("--topk 0", "--topk: '0' is not a positive integer"),
+    ("--topk 0", "--topk/--moe-router-topk: '0' is not a positive integer"),
     ("--moe-train-capacity-factor -1", "--moe-train-capacity-factor: '-1' is not a positive number"),
     ("--moe-min-capacity -1", "--moe-min-capacity: '-1' is not zero or a positive integer"),
     ("--hysteresis 0", "--hysteresis: '0' is not a positive integer"),
@@ -144,7 +144,7 @@ def test_megatron_override_scheduler_flag_is_accepted():
 def test_help_shows_every_default():
     text = " ".join(build_parser().format_help().split())
     for expected in ("--weight-decay WEIGHT_DECAY (default: 0.01)", "--split SPLIT (default: 969,30,1)",
-                     "--topk TOPK (default: 1)", "(default: learned_absolute)", "--min-lr MIN_LR (default: 0.0)"):
+                     "--topk TOPK, --moe-router-topk TOPK experts per token (default: 1)", "(default: learned_absolute)", "--min-lr MIN_LR (default: 0.0)"):
         assert expected in text
 
 
