@@ -189,10 +189,12 @@ def test_kv_cache_holds_the_key_value_heads_and_equals_the_full_forward(groups, 
 def test_gqa_without_sdpa_enable_gqa_repeats_the_key_value_heads(monkeypatch):
     """torch 2.4 (which the package allows) has no enable_gqa: repeated key/value heads, same logits."""
     model = random_model(**LLAMA)
+    monkeypatch.setattr(transformer, "sdpa_takes_gqa", lambda: False)
+    repeating = GPTModel(model.config).eval()
+    repeating.load_state_dict(model.state_dict())
+    assert repeating.layers[0].self_attention.kv_repeats == 2 and not repeating.layers[0].self_attention.sdpa_gqa
     with torch.no_grad():
-        native_BSV = model(tokens())
-        monkeypatch.setattr(transformer, "sdpa_takes_gqa", lambda: False)
-        torch.testing.assert_close(model(tokens()), native_BSV, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(repeating(tokens()), model(tokens()), rtol=1e-5, atol=1e-6)
 
 
 MODERN_FLAGS = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True,

@@ -82,6 +82,11 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.kv_heads, config.head_dim
         self.grouped_layout = config.num_query_groups is not None
+        # heads that share keys use SDPA's GQA where this torch has it, else repeated key/value heads;
+        # decided once here, since the probe runs an attention of its own
+        shares_keys = self.kv_heads != self.num_heads
+        self.sdpa_gqa = shares_keys and sdpa_takes_gqa()
+        self.kv_repeats = self.num_heads // self.kv_heads if shares_keys and not self.sdpa_gqa else 1
         self.dropout_p = config.attention_dropout
         query_width = self.num_heads * self.head_dim
         bias = config.add_bias_linear
@@ -126,16 +131,12 @@ class CausalSelfAttention(nn.Module):
             k_BGSD, v_BGSD = kv_cache.append(k_BGSD, v_BGSD)
         # SDPA's is_causal aligns the mask top-left, so queries after cached keys need an explicit one
         mask_SK = None if past == 0 or seq == 1 else causal_mask(seq, past, x_BSH.device)
-        shared = {}
-        if self.kv_heads != self.num_heads:  # heads share keys: SDPA's GQA where this torch has it
-            if sdpa_takes_gqa():
-                shared = {"enable_gqa": True}
-            else:
-                repeats = self.num_heads // self.kv_heads
-                k_BGSD, v_BGSD = k_BGSD.repeat_interleave(repeats, dim=1), v_BGSD.repeat_interleave(repeats, dim=1)
+        if self.kv_repeats > 1:
+            k_BGSD = k_BGSD.repeat_interleave(self.kv_repeats, dim=1)
+            v_BGSD = v_BGSD.repeat_interleave(self.kv_repeats, dim=1)
         out_BNSD = F.scaled_dot_product_attention(
             q_BNSD, k_BGSD, v_BGSD, attn_mask=mask_SK, is_causal=past == 0 and seq > 1,
-            dropout_p=self.dropout_p if self.training else 0.0, **shared,
+            dropout_p=self.dropout_p if self.training else 0.0, **({"enable_gqa": True} if self.sdpa_gqa else {}),
         )
         return self.dense(out_BNSD.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
