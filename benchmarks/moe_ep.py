@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.moe_layer import (
-    Case, assert_same, build_deepspeed, build_ours, cpu_name, moe_config, start_deepspeed, step,
+    Case, assert_same, build_deepspeed, build_ours, cpu_name, deepspeed_version, moe_config, start_deepspeed, step,
 )
 from megatron.parallel import build_parallel_grid
 
@@ -321,7 +320,7 @@ def run_and_report(grid: list[Case], args: argparse.Namespace, with_deepspeed: b
     load = os.getloadavg()
     during = max(r["load_average_1min"] for r in rows)
     report = {"machine": platform.machine(), "processor": cpu_name(), "torch": torch.__version__,
-              "deepspeed": version("deepspeed") if with_deepspeed else None, "ep_size": EP_SIZE,
+              "deepspeed": deepspeed_version() if with_deepspeed else None, "ep_size": EP_SIZE,
               "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d %H:%M"),
               "load_average_before": load_before, "load_average_1min_max_during": during, "load_average_after": load,
               "args": vars(args), "rows": rows}

@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -519,7 +520,8 @@ def run_expert_parallel(args: argparse.Namespace) -> None:
 
 
 def deepspeed_version() -> str:
-    return start_deepspeed().__version__
+    """The installed DeepSpeed's version, read from its metadata (no import, no process group)."""
+    return version("deepspeed")
 
 
 if __name__ == "__main__":

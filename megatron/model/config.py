@@ -163,7 +163,11 @@ class GPTConfig:
         h, f = self.hidden_size, self.ffn_hidden_size
         queries, keys_values = self.num_attention_heads * self.head_dim, 2 * self.kv_heads * self.head_dim
         attention = 2 * h * (queries + keys_values) + 2 * queries * h + 2 * 2 * seq_length * queries
-        mlp = 2 * (3 if self.swiglu else 2) * h * f
+
+        def mlp_flops(width: int) -> int:  # transformer.MLP: dense layers, PR-MoE's residual, shared experts
+            return 2 * (3 if self.swiglu else 2) * h * width
+
+        mlp = mlp_flops(f)
         expert = 2 * 2 * h * self.moe_ffn_hidden_size  # GELU experts
         forward = 2 * h * self.vocab_size
         for experts in self.experts_per_layer:
@@ -173,6 +177,6 @@ class GPTConfig:
             else:
                 forward += self.moe.topk * expert + 2 * h * experts
                 if self.moe_shared_expert_intermediate_size is not None:
-                    forward += 2 * 2 * h * self.moe_shared_expert_intermediate_size + 2 * h * self.moe_shared_expert_gate
+                    forward += mlp_flops(self.moe_shared_expert_intermediate_size) + 2 * h * self.moe_shared_expert_gate
                 forward += mlp + 2 * h * 2 if self.mlp_type == "residual" else 0
         return 3.0 * forward
