@@ -253,8 +253,6 @@ def sized(flags: str) -> GPTConfig:
     ("--position-embedding-type rope --rotary-percent 0.375", "--rotary-percent 0.375 of head dim 8 rotates 3 dims"),
     ("--position-embedding-type rope --kv-channels 7", "--rotary-percent 1.0 of head dim 7 rotates 7 dims"),
     ("--hidden-size 30", "give --kv-channels"),
-    ("--swiglu --num-experts 4", "--swiglu is not built yet for MoE layers"),
-    ("--disable-bias-linear --num-experts 4", "--disable-bias-linear is not built yet for MoE layers"),
     ("--normalization BatchNorm", "--normalization: invalid choice: 'BatchNorm'"),
     ("--num-experts 4 --moe-shared-expert-gate", "--moe-shared-expert-gate gates the shared experts"),
     ("--moe-shared-expert-intermediate-size 16", "adds shared experts to MoE layers, but this model has none"),
@@ -312,6 +310,21 @@ def test_fine_grained_experts_take_their_own_width():
     # one MoE layer, 2 experts per token, fwd+bwd = 3 x forward's 2 GEMMs of 2 h f FLOPs each
     assert config.flops_per_token(16) - wide.flops_per_token(16) == 3 * 2 * 2 * 2 * 32 * (16 - 48)
     assert model_size(config, 16).total == sum(p.numel() for p in GPTModel(config).parameters())
+
+
+def test_swiglu_experts_without_biases_follow_the_dense_options():
+    """--swiglu and --disable-bias-linear shape the routed experts as they shape the dense MLP."""
+    flags = "--num-experts 4 --moe-ffn-hidden-size 16 --moe-router-topk 2"
+    config = replace(sized(flags + " --swiglu --disable-bias-linear"), vocab_size=64)
+    experts = GPTModel(config).layers[1].mlp.experts
+    assert experts.swiglu and experts.w1.shape == (4, 32, 32) and experts.w2.shape == (4, 16, 32)
+    assert experts.b1 is None and experts.b2 is None
+    gelu = replace(config, swiglu=False)
+    # dense layer: one more GEMM of 2 h f; MoE layer: k experts, one more GEMM of 2 h f' each; fwd+bwd = 3x
+    assert config.flops_per_token(16) - gelu.flops_per_token(16) == 3 * (2 * 32 * 128 + 2 * 2 * 32 * 16)
+    assert model_size(config, 16).total == sum(p.numel() for p in GPTModel(config).parameters())
+    assert model_size(config, 16).total - model_size(replace(config, add_bias_linear=True), 16).total == -(
+        2 * (3 * 32 + 32) + (2 * 128 + 32) + 4 * (2 * 16 + 32))  # both attentions', the dense MLP's, 4 experts'
 
 
 @pytest.mark.parametrize("gated", [False, True])

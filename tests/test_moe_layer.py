@@ -8,16 +8,26 @@ import torch.nn.functional as F
 from megatron.model.moe import MoEConfig, MoELayer, experts
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.grouped_gemm import _LoopedGroupedLinear, grouped_linear
+from megatron.model.transformer import swiglu as swiglu_mlp
 from megatron.parallel import build_parallel_grid
 from tests.dist_utils import run_distributed
 
 H, FFN = 16, 32
 
 
-def make_layer(num_experts: int, config: MoEConfig, ep_group=None, residual: bool = False) -> MoELayer:
+def make_layer(
+    num_experts: int, config: MoEConfig, ep_group=None, residual: bool = False, swiglu: bool = False, bias: bool = True,
+) -> MoELayer:
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(H, FFN), torch.nn.GELU(), torch.nn.Linear(FFN, H)) if residual else None
-    return MoELayer(H, FFN, num_experts, config, init_std=0.2, output_init_std=0.1, ep_group=ep_group, residual_mlp=mlp)
+    return MoELayer(H, FFN, num_experts, config, init_std=0.2, output_init_std=0.1, ep_group=ep_group, residual_mlp=mlp,
+                    swiglu=swiglu, bias=bias)
+
+
+def reference_expert(x_H: torch.Tensor, e: GroupedExperts, i: int) -> torch.Tensor:
+    """Expert i on one token, with the dense MLP's own SwiGLU where the experts have it."""
+    hidden = x_H @ e.w1[i] + (0 if e.b1 is None else e.b1[i])
+    return (swiglu_mlp(hidden) if e.swiglu else F.gelu(hidden)) @ e.w2[i] + (0 if e.b2 is None else e.b2[i])
 
 
 def loop_reference(layer: MoELayer, x_BSH: torch.Tensor) -> torch.Tensor:
@@ -31,8 +41,7 @@ def loop_reference(layer: MoELayer, x_BSH: torch.Tensor) -> torch.Tensor:
         for choice in range(gating.expert_ids.shape[1]):
             if gating.positions[t, choice] >= 0:
                 i = int(gating.expert_ids[t, choice])
-                y = F.gelu(x_TH[t] @ e.w1[i] + e.b1[i]) @ e.w2[i] + e.b2[i]
-                out = out + gating.gates[t, choice] * y
+                out = out + gating.gates[t, choice] * reference_expert(x_TH[t], e, i)
         if layer.residual_mlp is not None:
             mix = F.softmax(layer.coefficient(x_TH[t]), dim=-1)
             out = out * mix[0] + layer.residual_mlp(x_TH[t]) * mix[1]
@@ -40,14 +49,16 @@ def loop_reference(layer: MoELayer, x_BSH: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x_BSH)
 
 
-@pytest.mark.parametrize("k, drop, residual, drop_policy", [
-    (1, True, False, "probs"), (2, True, False, "probs"), (3, False, False, "probs"), (2, True, True, "probs"),
-    (3, True, False, "probs"), (3, True, False, "position"),
+@pytest.mark.parametrize("k, drop, residual, drop_policy, swiglu, bias", [
+    (1, True, False, "probs", False, True), (2, True, False, "probs", False, True),
+    (3, False, False, "probs", False, True), (2, True, True, "probs", False, True),
+    (3, True, False, "probs", False, True), (3, True, False, "position", False, True),
+    (2, False, False, "probs", True, False), (1, True, False, "probs", True, True),
 ])
-def test_sort_dispatch_equals_per_token_loop(k, drop, residual, drop_policy):
+def test_sort_dispatch_equals_per_token_loop(k, drop, residual, drop_policy, swiglu, bias):
     config = MoEConfig(topk=k, drop_tokens=drop, use_rts=False, sample_second_expert=False, min_capacity=1,
                        use_residual=residual, drop_policy=drop_policy)
-    layer = make_layer(6, config, residual=residual)
+    layer = make_layer(6, config, residual=residual, swiglu=swiglu, bias=bias)
     x = torch.randn(3, 10, H, requires_grad=True)
     grad = torch.randn(3, 10, H)
     out, _ = layer(x)
@@ -78,18 +89,23 @@ def test_looped_grouped_gemm_equals_grouped_mm():
     assert torch.count_nonzero(w.grad[1]) == 0
 
 
-@pytest.mark.parametrize("gather, onednn", [(True, True), (False, True), (True, False)])
-def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn):
+@pytest.mark.parametrize("gather, onednn, swiglu, bias", [
+    (True, True, False, True), (False, True, False, True), (True, False, False, True),
+    (True, True, True, False), (False, False, True, True), (True, True, False, False),
+])
+def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn, swiglu, bias):
     """The CPU path (one expert at a time; rows gathered from tokens or given; oneDNN's GEMMs or
-    torch's) against the grouped GEMM of other devices, with an expert that gets no rows and the
-    last expert's padded rows past the end."""
+    torch's; GELU or SwiGLU; with biases or without) against the grouped GEMM of other devices
+    and the dense MLP's SwiGLU, with an expert that gets no rows and the last expert's padded rows
+    past the end."""
     if not onednn:
         monkeypatch.setattr(experts, "onednn_linear_runs", lambda device_type, dtype: False)
     torch.manual_seed(0)
-    layer = GroupedExperts(4, [0, 1, 2, 3], H, FFN, init_std=0.2, output_init_std=0.1)
+    layer = GroupedExperts(4, [0, 1, 2, 3], H, FFN, init_std=0.2, output_init_std=0.1, swiglu=swiglu, bias=bias)
+    assert layer.w1.shape == (4, H, 2 * FFN if swiglu else FFN) and (layer.b1 is None) == (layer.b2 is None) == (not bias)
     with torch.no_grad():
-        for bias in (layer.b1, layer.b2):
-            bias.normal_()
+        for b in (layer.b1, layer.b2) if bias else ():
+            b.normal_()
     counts = torch.tensor([40, 0, 5, 33])  # padded to 40, 0, 5, 34 rows
     x_TH = torch.randn(50, H, requires_grad=True)
     token_N = torch.randint(0, 50, (78,))
@@ -100,8 +116,8 @@ def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn):
     x_TH.grad = None
     layer.zero_grad()
     rows_NH = x_TH.index_select(0, token_N)
-    hidden = F.gelu(grouped_linear(rows_NH, layer.w1, layer.b1, counts))
-    grouped_linear(hidden, layer.w2, layer.b2, counts).backward(grad)
+    hidden = grouped_linear(rows_NH, layer.w1, layer.b1, counts)
+    grouped_linear(swiglu_mlp(hidden) if swiglu else F.gelu(hidden), layer.w2, layer.b2, counts).backward(grad)
     for got, want in zip(fast, [x_TH.grad] + [p.grad for p in layer.parameters()]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert torch.count_nonzero(fast[1][1]) == 0  # w1 of the expert without rows

@@ -79,13 +79,13 @@ def test_ep2_trains_exactly_like_ep1_from_scratch(corpus):
             torch.testing.assert_close(value, ep1[rank][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_ep2_equals_ep1_with_fine_grained_and_shared_experts(corpus):
+def test_ep2_equals_ep1_with_fine_grained_shared_and_swiglu_experts(corpus):
     modern = {"moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True,
               "normalization": "RMSNorm", "group_query_attention": True, "num_query_groups": 2,
-              "position_embedding_type": "rope"}
+              "position_embedding_type": "rope", "swiglu": True, "disable_bias_linear": True}
     ep1 = run_distributed(_train, 2, corpus, 1, None, None, 4, modern)
     ep2 = run_distributed(_train, 2, corpus, 2, None, None, 4, modern)
-    assert "layers.1.mlp.shared_expert.gate.weight" in ep1[0]
+    assert "layers.1.mlp.shared_expert.gate.weight" in ep1[0] and "layers.1.mlp.experts.b1[0]" not in ep1[0]
     for rank in range(2):
         torch.testing.assert_close(ep2[rank]["losses"], ep1[rank]["losses"], rtol=1e-5, atol=1e-6)
         for name, value in ep2[rank].items():

@@ -109,12 +109,6 @@ class GPTConfig:
         if self.mlp_type == "residual" and not self.is_moe:
             raise ConfigError("--mlp-type residual needs MoE layers; give --num-experts greater than 1")
         self._check_shared_experts()
-        for flag, given in (("--swiglu", self.swiglu), ("--disable-bias-linear", not self.add_bias_linear)):
-            if given and self.is_moe:
-                raise ConfigError(
-                    f"{flag} is not built yet for MoE layers (SwiGLU and bias-free experts come later); "
-                    f"drop {flag} or use a dense model (--num-experts 1)"
-                )
 
     def _check_shared_experts(self) -> None:
         shared = self.moe_shared_expert_intermediate_size
@@ -164,11 +158,11 @@ class GPTConfig:
         queries, keys_values = self.num_attention_heads * self.head_dim, 2 * self.kv_heads * self.head_dim
         attention = 2 * h * (queries + keys_values) + 2 * queries * h + 2 * 2 * seq_length * queries
 
-        def mlp_flops(width: int) -> int:  # transformer.MLP: dense layers, PR-MoE's residual, shared experts
+        def mlp_flops(width: int) -> int:  # dense layers, PR-MoE's residual, shared and routed experts
             return 2 * (3 if self.swiglu else 2) * h * width
 
         mlp = mlp_flops(f)
-        expert = 2 * 2 * h * self.moe_ffn_hidden_size  # GELU experts
+        expert = mlp_flops(self.moe_ffn_hidden_size)
         forward = 2 * h * self.vocab_size
         for experts in self.experts_per_layer:
             forward += attention

@@ -48,7 +48,7 @@ class GPTModel(nn.Module):
             config.hidden_size, config.moe_ffn_hidden_size, num_experts, config.moe,
             init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
-            shared_expert=GPTModel._shared_expert(config),
+            shared_expert=GPTModel._shared_expert(config), swiglu=config.swiglu, bias=config.add_bias_linear,
         )
 
     @staticmethod

@@ -1,9 +1,9 @@
 """This rank's experts as stacked weights: on the CPU one expert at a time through a fused MLP
 (`_LoopedExpertMLP`), elsewhere with grouped GEMMs.
 
-Legend: E_l local experts, H hidden, F expert ffn hidden, N routed rows (sorted by expert),
-X rows of the input (N, or T tokens that the rows gather from), n one expert's rows, p those rows
-padded (see `padded_rows`).
+Legend: E_l local experts, H hidden, F expert ffn hidden, W the first GEMM's width (F, or 2F for
+SwiGLU), N routed rows (sorted by expert), X rows of the input (N, or T tokens that the rows
+gather from), n one expert's rows, p those rows padded (see `padded_rows`).
 """
 
 import functools
@@ -17,19 +17,24 @@ from megatron.model.moe.grouped_gemm import grouped_linear
 
 
 class GroupedExperts(nn.Module):
-    """GELU MLP experts H -> F -> H with biases. Parameters carry `expert_global_ids` (dim 0 holds
-    those experts), which the runtime uses to reduce, save and load them by global expert id."""
+    """MLP experts H -> F -> H: GELU, or with `swiglu` H -> 2F -> (SwiGLU) F -> H (w1's first F
+    columns feed silu, the second F the up projection, as the dense MLP's `dense_h_to_4h` rows);
+    biases b1 and b2 unless `bias` is False (--disable-bias-linear). Parameters carry
+    `expert_global_ids` (dim 0 holds those experts), which the runtime uses to reduce, save and
+    load them by global expert id."""
 
     def __init__(
         self, num_experts: int, global_ids: list[int], hidden_size: int, ffn_hidden_size: int,
-        init_std: float, output_init_std: float,
+        init_std: float, output_init_std: float, swiglu: bool = False, bias: bool = True,
     ) -> None:
         super().__init__()
         local = len(global_ids)
-        self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size))
-        self.b1 = nn.Parameter(torch.zeros(local, ffn_hidden_size))
+        self.swiglu = swiglu
+        width = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
+        self.w1 = nn.Parameter(torch.empty(local, hidden_size, width))
+        self.b1 = nn.Parameter(torch.zeros(local, width)) if bias else None
         self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size))
-        self.b2 = nn.Parameter(torch.zeros(local, hidden_size))
+        self.b2 = nn.Parameter(torch.zeros(local, hidden_size)) if bias else None
         for param in self.parameters():
             param.expert_global_ids = tuple(global_ids)
         self._init_by_global_id(num_experts, global_ids, init_std, output_init_std)
@@ -53,11 +58,34 @@ class GroupedExperts(nn.Module):
         w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
         if torch.is_autocast_enabled(x_XH.device.type):  # grouped GEMMs are not on autocast's list
             dtype = torch.get_autocast_dtype(x_XH.device.type)
-            x_XH, w1, b1, w2, b2 = (t.to(dtype) for t in (x_XH, w1, b1, w2, b2))
+            x_XH, w1, b1, w2, b2 = (None if t is None else t.to(dtype) for t in (x_XH, w1, b1, w2, b2))
         if x_XH.device.type == "cpu":
-            return _LoopedExpertMLP.apply(x_XH, token_N, w1, b1, w2, b2, counts_El.tolist(), self.grad_buffers)
+            return _LoopedExpertMLP.apply(
+                x_XH, token_N, w1, b1, w2, b2, counts_El.tolist(), self.grad_buffers, self.swiglu,
+            )
         x_NH = x_XH if token_N is None else x_XH.index_select(0, token_N)
-        return grouped_linear(F.gelu(grouped_linear(x_NH, w1, b1, counts_El)), w2, b2, counts_El)
+        hidden_NF = activation(grouped_linear(x_NH, w1, b1, counts_El), self.swiglu)
+        return grouped_linear(hidden_NF, w2, b2, counts_El)
+
+
+def activation(h_pW: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The experts' activation of the first GEMM's output: GELU [p, F], or SwiGLU of [p, 2F] -> [p, F]."""
+    if not swiglu:
+        return F.gelu(h_pW)
+    gate_pF, up_pF = h_pW.chunk(2, dim=-1)
+    return F.silu(gate_pF) * up_pF
+
+
+def activation_backward(grad_pF: torch.Tensor, h_pW: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The gradient of the activation's input from its output's; GELU's overwrites grad_pF."""
+    if not swiglu:
+        return torch.ops.aten.gelu_backward.grad_input(grad_pF, h_pW, grad_input=grad_pF)
+    gate_pF, up_pF = h_pW.chunk(2, dim=-1)
+    grad_pW = torch.empty_like(h_pW)
+    grad_gate_pF, grad_up_pF = grad_pW.chunk(2, dim=-1)
+    torch.mul(grad_pF, F.silu(gate_pF), out=grad_up_pF)
+    torch.ops.aten.silu_backward.grad_input(grad_pF.mul_(up_pF), gate_pF, grad_input=grad_gate_pF)
+    return grad_pW
 
 
 def padded_rows(rows: int) -> int:
@@ -76,70 +104,79 @@ def padded_rows(rows: int) -> int:
 
 
 class _LoopedExpertMLP(torch.autograd.Function):
-    """y = gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e] for the rows of each expert e, one expert at a time.
+    """y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e] for the rows of each expert e, one expert at a time
+    (act: GELU or SwiGLU; b1 and b2 may be None).
 
     On the CPU this beats `torch._grouped_mm` (whose fallback loops over the groups too, with extra
-    copies) and a GELU over all rows: each expert's [p, F] activation is still in cache when GELU
-    and the next GEMM read it, the biases ride in the GEMMs, and only the input and the
-    pre-activations are saved (the backward recomputes each expert's GELU). GELU and the GEMMs
-    whose rows are the expert's rows run over `padded_rows(n)` rows (the rows after an expert's
-    own belong to the next expert, or are zeros, and their results are dropped) so that oneDNN
-    sees few shapes. The weight gradients take exactly the expert's rows."""
+    copies) and an activation over all rows: each expert's activation is still in cache when the
+    next GEMM reads it, the biases ride in the GEMMs, and only the input and the pre-activations are
+    saved (the backward recomputes each expert's activation). The activation and the GEMMs whose
+    rows are the expert's rows run over `padded_rows(n)` rows (the rows after an expert's own belong
+    to the next expert, or are zeros, and their results are dropped) so that oneDNN sees few shapes.
+    The weight gradients take exactly the expert's rows."""
 
     @staticmethod
     def forward(
-        ctx, x_XH: torch.Tensor, token_N: torch.Tensor | None, w1_EHF: torch.Tensor, b1_EF: torch.Tensor,
-        w2_EFH: torch.Tensor, b2_EH: torch.Tensor, counts: list[int], grad_buffers: "GradientBuffers",
+        ctx, x_XH: torch.Tensor, token_N: torch.Tensor | None, w1_EHW: torch.Tensor, b1_EW: torch.Tensor | None,
+        w2_EFH: torch.Tensor, b2_EH: torch.Tensor | None, counts: list[int], grad_buffers: "GradientBuffers",
+        swiglu: bool,
     ) -> torch.Tensor:
         spans = expert_spans(counts)
         y_NH = x_XH.new_empty(sum(counts), w2_EFH.shape[2])
-        h_pF: list[torch.Tensor] = []
+        h_pW: list[torch.Tensor] = []
         with torch.autocast(x_XH.device.type, enabled=False):
             for e, (s, n, p) in enumerate(spans):
                 if n == 0:
-                    h_pF.append(x_XH.new_empty(0))
+                    h_pW.append(x_XH.new_empty(0))
                     continue
-                h_pF.append(linear(expert_rows(x_XH, token_N, s, p), w1_EHF[e].t(), b1_EF[e]))
-                y_NH[s:s + n] = linear(F.gelu(h_pF[-1]), w2_EFH[e].t(), b2_EH[e])[:n]
-        ctx.save_for_backward(x_XH, token_N, w1_EHF, w2_EFH, *h_pF)
-        ctx.spans, ctx.grad_buffers = spans, grad_buffers
+                h_pW.append(linear(expert_rows(x_XH, token_N, s, p), w1_EHW[e].t(), expert_bias(b1_EW, e)))
+                y_NH[s:s + n] = linear(activation(h_pW[-1], swiglu), w2_EFH[e].t(), expert_bias(b2_EH, e))[:n]
+        ctx.save_for_backward(x_XH, token_N, w1_EHW, w2_EFH, *h_pW)
+        ctx.spans, ctx.grad_buffers, ctx.swiglu = spans, grad_buffers, swiglu
         return y_NH
 
     @staticmethod
     def backward(ctx, grad_NH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_XH, token_N, w1_EHF, w2_EFH, *h_pF = ctx.saved_tensors
+        x_XH, token_N, w1_EHW, w2_EFH, *h_pW = ctx.saved_tensors
         grad_NH = grad_NH.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:  # gathered rows add their gradients into their tokens
             grad_x = torch.empty_like(x_XH) if token_N is None else torch.zeros_like(x_XH)
-        weight_grads = None  # frozen experts (all four tensors) take no gradient buffers
-        if any(ctx.needs_input_grad[2:6]):
-            weight_grads = (ctx.grad_buffers.take("w1", w1_EHF), w1_EHF.new_empty(w1_EHF.shape[0], w1_EHF.shape[2]),
-                            ctx.grad_buffers.take("w2", w2_EFH), w2_EFH.new_empty(w2_EFH.shape[0], w2_EFH.shape[2]))
+        # [w1, b1, w2, b2]; frozen experts take no gradient buffers, absent biases none either
+        need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[2:6]
+        grad_w1 = ctx.grad_buffers.take("w1", w1_EHW) if need_w1 else None
+        grad_b1 = w1_EHW.new_empty(w1_EHW.shape[0], w1_EHW.shape[2]) if need_b1 else None
+        grad_w2 = ctx.grad_buffers.take("w2", w2_EFH) if need_w2 else None
+        grad_b2 = w2_EFH.new_empty(w2_EFH.shape[0], w2_EFH.shape[2]) if need_b2 else None
+        weight_grads = [g for g in (grad_w1, grad_b1, grad_w2, grad_b2) if g is not None]
         with torch.autocast(x_XH.device.type, enabled=False):
-            for e, ((s, n, p), h) in enumerate(zip(ctx.spans, h_pF)):
+            for e, ((s, n, p), h) in enumerate(zip(ctx.spans, h_pW)):
                 if n == 0:  # an expert without rows gets zero gradients
-                    for grad in weight_grads or ():
+                    for grad in weight_grads:
                         grad[e].zero_()
                     continue
                 grad_pH = row_block(grad_NH, s, p)
-                if weight_grads:
-                    torch.mm(F.gelu(h)[:n].t(), grad_pH[:n], out=weight_grads[2][e])
-                    torch.sum(grad_pH[:n], 0, out=weight_grads[3][e])
-                grad_pF = linear(grad_pH, w2_EFH[e], None)  # of the GELU output, then in place of its input
-                torch.ops.aten.gelu_backward.grad_input(grad_pF, h, grad_input=grad_pF)
-                if weight_grads:
-                    torch.mm(expert_rows(x_XH, token_N, s, n).t(), grad_pF[:n], out=weight_grads[0][e])
-                    torch.sum(grad_pF[:n], 0, out=weight_grads[1][e])
+                if grad_w2 is not None:
+                    torch.mm(activation(h, ctx.swiglu)[:n].t(), grad_pH[:n], out=grad_w2[e])
+                if grad_b2 is not None:
+                    torch.sum(grad_pH[:n], 0, out=grad_b2[e])
+                grad_pW = activation_backward(linear(grad_pH, w2_EFH[e], None), h, ctx.swiglu)
+                if grad_w1 is not None:
+                    torch.mm(expert_rows(x_XH, token_N, s, n).t(), grad_pW[:n], out=grad_w1[e])
+                if grad_b1 is not None:
+                    torch.sum(grad_pW[:n], 0, out=grad_b1[e])
                 if grad_x is None:
                     continue
-                grad_nH = linear(grad_pF, w1_EHF[e], None)[:n]
+                grad_nH = linear(grad_pW, w1_EHW[e], None)[:n]
                 if token_N is None:
                     grad_x[s:s + n] = grad_nH
                 else:
                     grad_x.index_add_(0, token_N[s:s + n], grad_nH)
-        wanted = [g if need else None for g, need in zip(weight_grads or (None,) * 4, ctx.needs_input_grad[2:6])]
-        return grad_x, None, *wanted, None, None
+        return grad_x, None, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+def expert_bias(bias_EM: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias_EM is None else bias_EM[e]
 
 
 class GradientBuffers:

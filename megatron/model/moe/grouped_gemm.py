@@ -1,5 +1,5 @@
 """Grouped GEMM: rows of x [N, K], grouped by expert (counts [G]), times that group's w [G, K, M],
-plus that group's bias b [G, M]. The experts' path off the CPU (experts.py runs its own loop there).
+plus that group's bias b [G, M] if there is one. The experts' path off the CPU (experts.py runs its own loop there).
 
 `torch._grouped_mm` where it runs for this device, dtype and shape (probed once each); otherwise a
 loop over groups whose backward writes each group's weight gradient into one stacked tensor
@@ -53,10 +53,14 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, k: int, m: int) -> boo
             return False
 
 
-def grouped_linear(x_NK: torch.Tensor, w_GKM: torch.Tensor, b_GM: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """y[rows of group g] = x[rows of group g] @ w[g] + b[g]; rows must be sorted by group."""
+def grouped_linear(
+    x_NK: torch.Tensor, w_GKM: torch.Tensor, b_GM: torch.Tensor | None, counts_G: torch.Tensor,
+) -> torch.Tensor:
+    """y[rows of group g] = x[rows of group g] @ w[g] + b[g] (no bias where b is None); rows must be sorted by group."""
     if grouped_mm_runs(x_NK.device.type, x_NK.dtype, w_GKM.shape[1], w_GKM.shape[2]):
         y_NM = torch._grouped_mm(x_NK, w_GKM, offs=torch.cumsum(counts_G, 0).to(torch.int32))
     else:
         y_NM = _LoopedGroupedLinear.apply(x_NK, w_GKM, counts_G.tolist())
+    if b_GM is None:
+        return y_NM
     return y_NM + b_GM.repeat_interleave(counts_G, dim=0, output_size=x_NK.shape[0])

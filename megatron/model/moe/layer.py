@@ -31,7 +31,10 @@ class MoELayer(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         residual_mlp: nn.Module | None = None,
         shared_expert: nn.Module | None = None,
+        swiglu: bool = False,
+        bias: bool = True,
     ) -> None:
+        """`swiglu` and `bias` shape the experts (see `GroupedExperts`)."""
         super().__init__()
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
@@ -49,7 +52,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden_size, num_experts, config)
         self.experts = GroupedExperts(
             num_experts, list(range(ep_rank * local, (ep_rank + 1) * local)),
-            hidden_size, ffn_hidden_size, init_std, output_init_std,
+            hidden_size, ffn_hidden_size, init_std, output_init_std, swiglu=swiglu, bias=bias,
         )
         self.residual_mlp = residual_mlp
         self.shared_expert = shared_expert
