@@ -22,11 +22,13 @@ from megatron.errors import CheckpointError, DataError, TrainingStopped
 from megatron.exit_conditions import ExitConditions
 from megatron.losses import masked_mean
 from megatron.model import GPTModel
+from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
 from megatron.runtime.engine import Engine, build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.training_log import TrainingLogger
+from megatron.upcycling import upcycle_from_checkpoint
 
 
 @dataclass
@@ -94,9 +96,12 @@ class Trainer:
         model = GPTModel(self.model_config, ep_group=grid.ep_group).to(grid.device)
         self.moe_monitor = MoEMonitor(model)
         t, ckpt = config.training, config.checkpoint
+        self.load_dir = ckpt.load
+        if ckpt.moe_use_upcycling:
+            self.load_dir = self._upcycle(model)
         self.resume_from = resume_iteration(
-            ckpt.load, grid, ckpt.ckpt_step, None if ckpt.reset_iteration else t.train_iters, self.log.info,
-        ) if ckpt.load else None
+            self.load_dir, grid, ckpt.ckpt_step if self.load_dir == ckpt.load else None, None if ckpt.reset_iteration else t.train_iters, self.log.info,
+        ) if self.load_dir else None
         self._refuse_overwriting_checkpoints()
         # teacher checks and the student's init from the teacher come before the engine copies the weights
         self.teacher = self._setup_teacher(model, self.resume_from is None)
@@ -128,13 +133,25 @@ class Trainer:
                 f"them; add --load {ckpt.save} to resume, or --overwrite-checkpoints to start afresh over them"
             )
 
+    def _upcycle(self, model: GPTModel) -> str | None:
+        """--moe-use-upcycling: `model` starts from the dense checkpoint in --load, unless --save
+        already holds this run's checkpoints (a restart), which it then resumes. Returns the
+        folder to resume from, if any."""
+        ckpt = self.config.checkpoint
+        if ckpt.save and holds_checkpoints(ckpt.save):
+            self.log.info(f" > --moe-use-upcycling: --save {ckpt.save} holds checkpoints, so this run resumes them "
+                          f"instead of upcycling {ckpt.load} again")
+            return ckpt.save
+        self.log.info(upcycle_from_checkpoint(model, ckpt.load, self.grid, ckpt.ckpt_step))
+        return None
+
     def _load(self, iteration: int) -> None:
         ckpt = self.config.checkpoint
         client = self.engine.load_checkpoint(
-            ckpt.load, iteration_tag(iteration), load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
+            self.load_dir, iteration_tag(iteration), load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
             load_rng=ckpt.load_rng, verify=False,  # resume_iteration has just verified it
         )
-        self.log.info(f" > loaded checkpoint {ckpt.load}/{iteration_tag(iteration)} at iteration {iteration}")
+        self.log.info(f" > loaded checkpoint {self.load_dir}/{iteration_tag(iteration)} at iteration {iteration}")
         if ckpt.reset_iteration:
             self.log.info(f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
                           "fresh optimizer and LR schedule, starting at iteration 0")
@@ -233,6 +250,7 @@ class Trainer:
             self.engine.step()
             self.moe_monitor.accumulate()
             total += torch.stack([loss.detach(), router_loss.detach(), kd.detach()])
+        update_expert_biases(self.engine.module, self.grid.dp_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
 
     @torch.no_grad()

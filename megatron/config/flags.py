@@ -22,7 +22,7 @@ from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
-from megatron.model.moe.config import DROP_POLICIES
+from megatron.model.moe.config import DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
 from megatron.runtime.lr_schedules import scheduler_parameters
 
 
@@ -104,6 +104,8 @@ class CheckpointConfig:
     reset_iteration: bool  # --load reads the weights only and the run starts at iteration 0
     ckpt_step: int | None  # the iteration to load instead of `latest`
     overwrite_checkpoints: bool  # a run from scratch may save over the checkpoints already in --save
+    # --load holds a dense model whose weights start this MoE model (megatron/upcycling.py)
+    moe_use_upcycling: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,28 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--moe-token-drop-policy", choices=DROP_POLICIES, default="probs",
                    help="top-k with k >= 3: an over-full expert keeps the highest probabilities or the earliest tokens")
     g.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
+    g = parser.add_argument_group("mixture of experts: Megatron-Core's routing (any score, pre-softmax, scaling, "
+                                  "expert-bias or group flag replaces DeepSpeed's gating rules)")
+    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default=None,
+                   help="score each expert by a softmax over the experts or by its own sigmoid")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (gates not renormalised); default: softmax over "
+                        "the top-k logits")
+    g.add_argument("--moe-router-topk-scaling-factor", type=positive_float, default=None, help="multiply the gates by this")
+    g.add_argument("--disable-moe-router-norm-topk-prob", dest="moe_router_norm_topk_prob", action="store_false",
+                   help="sigmoid scores, top-k > 1: keep the gates as scored instead of dividing them by their sum "
+                        "(Hugging Face's norm_topk_prob false)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias added to the scores for choosing only, moved "
+                        "after each step towards an even load (sigmoid scores)")
+    g.add_argument("--moe-router-bias-update-rate", type=positive_float, default=1e-3,
+                   help="how far each step moves the expert bias")
+    g.add_argument("--moe-router-num-groups", type=positive_int, default=None,
+                   help="group-limited routing: the experts in this many equal groups (e.g. one per expert-parallel rank)")
+    g.add_argument("--moe-router-group-topk", type=positive_int, default=None,
+                   help="group-limited routing: each token chooses its experts within this many groups")
+    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss",
+                   help="aux_loss over the micro-batch, seq_aux_loss per sequence, or none; weighted by --moe-loss-coeff")
     g.add_argument("--create-moe-param-group", action="store_true",
                    help="accepted for Megatron-DeepSpeed recipes; expert parameters are always handled apart")
 
@@ -288,6 +312,9 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--ckpt-step", type=positive_int, default=None, help="load this iteration instead of the one `latest` names")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="let a run that starts from scratch save into a --save folder that already holds checkpoints")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="start this MoE model from the dense checkpoint in --load (every expert a copy or slice of its "
+                        "layer's dense MLP) at iteration 0; once --save holds checkpoints, the run resumes those")
 
     g = parser.add_argument_group("long runs: faults and planned exits")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
@@ -337,7 +364,7 @@ def _num_query_groups(args: argparse.Namespace) -> int | None:
 def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The model's shape from the flags (vocab_size is filled in once the tokenizer is known)."""
     max_positions = args.max_position_embeddings or args.seq_length
-    return GPTConfig(
+    model = GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -360,8 +387,18 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
             sample_second_expert=not args.disable_moe_top2_2nd_expert_sampling,
             aux_loss_coeff=args.moe_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
             use_residual=args.mlp_type == "residual", drop_policy=args.moe_token_drop_policy,
+            router_score_function=args.moe_router_score_function, router_pre_softmax=args.moe_router_pre_softmax,
+            router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            router_num_groups=args.moe_router_num_groups, router_group_topk=args.moe_router_group_topk,
+            router_norm_topk_prob=args.moe_router_norm_topk_prob,
+            router_bias_update_rate=args.moe_router_bias_update_rate,
+            router_load_balancing_type=args.moe_router_load_balancing_type,
         ),
     )
+    for count in set(model.experts_per_layer) - {1}:  # the group rules depend on each MoE layer's expert count
+        model.moe.check_experts(count)
+    return model
 
 
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
@@ -424,7 +461,11 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, reset_iteration=args.reset_iteration,
         ckpt_step=args.ckpt_step, overwrite_checkpoints=args.overwrite_checkpoints,
+        moe_use_upcycling=args.moe_use_upcycling,
     )
+    if args.moe_use_upcycling and (not args.load or args.reset_iteration):
+        raise ConfigError("--moe-use-upcycling starts from the dense checkpoint in --load at iteration 0; "
+                          "give --load DIR, without --reset-iteration")
     if args.ckpt_step is not None and not args.load:
         raise ConfigError("--ckpt-step picks a checkpoint in --load; add --load DIR or drop it")
     exit_config = ExitConfig(signal_handler=args.exit_signal_handler, signal=args.exit_signal,

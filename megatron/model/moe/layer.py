@@ -62,7 +62,7 @@ class MoELayer(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the output [B, S, H] and this layer's weighted router loss (aux + z-loss)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        gating, logits_TE = self.router(x_TH, self.ep_group)
+        gating, logits_TE = self.router(x_TH, self.ep_group, num_sequences=x_BSH.shape[0])
         # with experts on other ranks, their row counts travel while the rows are sorted
         counts = exchange_counts(gating, self.num_experts, self.ep_group) if self.ep_group is not None else None
         if counts is None:  # the experts gather their rows themselves, a block at a time
@@ -87,7 +87,7 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def _record(self, gating, logits_TE: torch.Tensor) -> None:
         """What users watch: load per expert, dropped share and router entropy of the last forward."""
-        probs = F.softmax(logits_TE, dim=-1)
+        probs = self.router.probabilities(logits_TE)
         self.stats = {
             "tokens_per_expert": gating.tokens_per_expert,
             "dropped": (gating.positions < 0).sum(),

@@ -1,7 +1,9 @@
 """Routing: which experts each token goes to, with what gate, in which capacity slot.
 
 Legend: S tokens on this rank, E experts in the layer (all ranks), K = top-k, C capacity.
-The rules are DeepSpeed-MoE's (top-1, top-2, top-k gating), so its recipes carry over; the
+The rules are DeepSpeed-MoE's (top-1, top-2, top-k gating), so its recipes carry over, unless a
+Megatron-Core routing option is set (`MoEConfig.megatron_core_routing`): then scoring.py chooses
+the experts and gates, and the capacity applies after the choice, as in Megatron-Core. The
 implementation sorts instead of building S x E x C one-hot tensors.
 """
 
@@ -15,7 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.model.moe.balancing import balancing_loss, load_balancing_loss, loss_scores
 from megatron.model.moe.config import DROP_POLICIES, MoEConfig
+from megatron.model.moe.scoring import score_topk
 
 
 class Gating(NamedTuple):
@@ -58,15 +62,19 @@ def slots_of_kept(expert_N: torch.Tensor, keep_N: torch.Tensor, num_experts: int
     return slots
 
 
+def within_capacity(expert_N: torch.Tensor, priority_N: torch.Tensor, num_experts: int, cap: int | None,
+                    drop_policy: str) -> torch.Tensor:
+    """Which choices (token-major) the experts keep: all without a capacity, else per expert the
+    `cap` of highest priority ("probs") or the first `cap` in token order ("position")."""
+    if cap is None:
+        return torch.ones_like(expert_N, dtype=torch.bool)
+    if drop_policy == "probs":
+        return keep_highest(expert_N, priority_N, num_experts, cap)
+    return rank_within_group(expert_N, num_experts) < cap
+
+
 def gumbel_like(x: torch.Tensor) -> torch.Tensor:
     return -torch.empty_like(x).exponential_().log()
-
-
-def load_balancing_loss(gates_SE: torch.Tensor, chosen_N: torch.Tensor, num_chosen_per_token: int) -> torch.Tensor:
-    """E * sum_e(mean gate of e * fraction of choices that are e), divided by the choices per token."""
-    num_tokens, num_experts = gates_SE.shape
-    fraction_E = torch.bincount(chosen_N, minlength=num_experts).float() / max(num_tokens, 1)
-    return num_experts * torch.sum(gates_SE.mean(0) * fraction_E) / num_chosen_per_token
 
 
 def topk_gating(
@@ -128,40 +136,83 @@ def topk_gating(
         raise ValueError(f"unknown drop_policy {drop_policy!r}; use probs or position")
     probs_SK, expert_SK = torch.topk(gates_SE, k, dim=1)
     l_aux = load_balancing_loss(gates_SE, expert_SK.flatten(), k)
-    keep_N = torch.ones(num_tokens * k, dtype=torch.bool, device=logits.device)
-    if drop_tokens and drop_policy == "probs":
-        keep_N = keep_highest(expert_SK.flatten(), probs_SK.flatten(), num_experts, cap)
-    elif drop_tokens:  # flattened token-major, so ranks within an expert follow token order
-        keep_N = rank_within_group(expert_SK.flatten(), num_experts) < cap
+    keep_N = within_capacity(expert_SK.flatten(), probs_SK.flatten(), num_experts, cap if drop_tokens else None, drop_policy)
     gate_SK = probs_SK * keep_N.view(num_tokens, k)
     gate_SK = gate_SK / gate_SK.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
     return Gating(l_aux, expert_SK, gate_SK, slots_of_kept(expert_SK.flatten(), keep_N, num_experts).view(num_tokens, k),
                   torch.bincount(expert_SK.flatten(), minlength=num_experts))
 
 
+def capacity_gating(expert_SK: torch.Tensor, gates_SK: torch.Tensor, num_experts: int, cap: int | None,
+                    drop_policy: str, l_aux: torch.Tensor) -> Gating:
+    """Megatron-Core's capacity, applied after the choice: an over-full expert keeps the choices of
+    highest gate ("probs") or of the earliest tokens ("position"); the others' gates become 0 and the
+    kept gates are not renormalised. `cap` None: dropless."""
+    num_tokens, k = expert_SK.shape
+    expert_N = expert_SK.flatten()
+    keep_N = within_capacity(expert_N, gates_SK.flatten(), num_experts, cap, drop_policy)
+    return Gating(l_aux, expert_SK, gates_SK * keep_N.view(num_tokens, k),
+                  slots_of_kept(expert_N, keep_N, num_experts).view(num_tokens, k),
+                  torch.bincount(expert_N, minlength=num_experts))
+
+
 class Router(nn.Module):
-    """Linear(h, E, bias=False) in fp32 whatever the model dtype, then `topk_gating`. Training
-    adds the configured noise and random selection; evaluation is deterministic."""
+    """Linear(h, E, bias=False) in fp32 whatever the model dtype, then DeepSpeed's `topk_gating` or
+    Megatron-Core's top-k routing (`score_topk`, then `capacity_gating`). Training adds the configured
+    noise and random selection; evaluation is deterministic.
+
+    With `router_enable_expert_bias` the router holds `expert_bias` [E] (fp32, saved with the model,
+    moved by expert_bias.py after each optimizer step, never by gradients) and counts the choices per
+    expert of its training forwards in `local_tokens_per_expert` until then. A forward that activation
+    checkpointing recomputes counts twice, which leaves the sign of every update as it is.
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, config: MoEConfig) -> None:
         super().__init__()
+        config.check_experts(num_experts)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # torch's Linear default, as DeepSpeed's gate
         self.config = config
+        biased = config.router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if biased else None)
+        self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.long) if biased else None,
+                             persistent=False)
 
-    def forward(self, x_SH: torch.Tensor, ep_group: dist.ProcessGroup | None = None) -> tuple[Gating, torch.Tensor]:
-        """Returns the gating and the router logits [S, E] (fp32)."""
+    def forward(self, x_SH: torch.Tensor, ep_group: dist.ProcessGroup | None = None,
+                num_sequences: int = 1) -> tuple[Gating, torch.Tensor]:
+        """Returns the gating and the router logits [S, E] (fp32). The S tokens are `num_sequences`
+        sequences one after the other (for seq_aux_loss)."""
         c = self.config
         with torch.autocast(device_type=x_SH.device.type, enabled=False):
             x_SH = x_SH.float()
             if self.training and c.noisy_gate_policy == "Jitter":
                 x_SH = x_SH * torch.empty_like(x_SH).uniform_(0.99, 1.01)
             logits_SE = F.linear(x_SH, self.weight.float())
-        gating = topk_gating(
-            logits_SE, c.topk, c.train_capacity_factor if self.training else c.eval_capacity_factor,
-            c.min_capacity, drop_tokens=c.drop_tokens, use_rts=c.use_rts and self.training,
-            noisy_gate_policy=c.noisy_gate_policy if self.training else None,
-            sample_second_expert=c.sample_second_expert and self.training, ep_group=ep_group,
-            drop_policy=c.drop_policy,
-        )
+        gating = self._route(logits_SE, ep_group, num_sequences)
+        if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            self.local_tokens_per_expert += gating.tokens_per_expert
         return gating, logits_SE
+
+    def _route(self, logits_SE: torch.Tensor, ep_group: dist.ProcessGroup | None, num_sequences: int) -> Gating:
+        c = self.config
+        capacity_factor = c.train_capacity_factor if self.training else c.eval_capacity_factor
+        if not c.megatron_core_routing:
+            gating = topk_gating(
+                logits_SE, c.topk, capacity_factor, c.min_capacity, drop_tokens=c.drop_tokens,
+                use_rts=c.use_rts and self.training, noisy_gate_policy=c.noisy_gate_policy if self.training else None,
+                sample_second_expert=c.sample_second_expert and self.training, ep_group=ep_group,
+                drop_policy=c.drop_policy,
+            )
+            if c.router_load_balancing_type == "aux_loss":  # DeepSpeed's own
+                return gating
+            return gating._replace(l_aux=balancing_loss(logits_SE, c, num_sequences))
+        gates_SK, expert_SK = score_topk(logits_SE, c, self.expert_bias)
+        num_tokens, num_experts = logits_SE.shape
+        cap = capacity(num_tokens, num_experts, c.topk, capacity_factor, c.min_capacity) if c.drop_tokens else None
+        return capacity_gating(expert_SK, gates_SK, num_experts, cap, c.drop_policy,
+                               balancing_loss(logits_SE, c, num_sequences))
+
+    def probabilities(self, logits_SE: torch.Tensor) -> torch.Tensor:
+        """Each token's probabilities over all experts [S, E] as the balancing losses see them (for the
+        router-entropy statistic)."""
+        return loss_scores(logits_SE, self.config.score_function)
