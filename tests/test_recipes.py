@@ -88,9 +88,19 @@ def test_tiny_cpu_recipes_run_on_one_process_with_the_demo_data(recipe, tmp_path
     with_data_parallel_size(config, world)
 
 
+def test_modern_recipe_builds_todays_moe_architecture(tmp_path):
+    _, config, _ = printed_run("ds_pretrain_gpt_tiny_modern_MoE_cpu.sh", tmp_path)
+    m, moe = config.model, config.model.moe
+    assert m.swiglu and m.normalization == "RMSNorm" and not m.add_bias_linear and m.untie_embeddings_and_output_weights
+    assert m.num_query_groups == 2 and m.position_embedding_type == "rope" and m.experts_per_layer == [16] * 8
+    assert (m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size, moe.topk) == (32, 32, 4)
+    assert moe.score_function == "sigmoid" and moe.router_enable_expert_bias and not moe.drop_tokens
+    assert moe.router_load_balancing_type == "seq_aux_loss" and moe.aux_loss_coeff == 1e-4
+
+
 def test_every_recipe_sources_the_one_settings_file():
     scripts = sorted(RECIPES.glob("ds_pretrain_gpt_*.sh"))
-    assert {p.name for p in scripts} == set(PAPER) | set(TINY) and len(TINY) == 4
+    assert {p.name for p in scripts} == set(PAPER) | set(TINY) and len(TINY) == 5
     for script in scripts:
         text = script.read_text()
         assert 'source "$(dirname "$0")/recipe_settings.sh"' in text and "run_recipe " in text

@@ -61,9 +61,12 @@ EVAL_ITERS=10
 SAVE_INTERVAL=10000
 EXTRA_ARGS=()
 
-# A recipe's model; dense unless it sets EXPERTS (one count, or one per MoE layer)
+# A recipe's model; dense unless it sets EXPERTS (one count, or one per MoE layer); MODEL_ARGS
+# holds Megatron-LM's model and router options beyond the DeepSpeed-MoE paper's
 EXPERTS=1
+EXPERT_INTERVAL=2
 MLP_TYPE=standard
+MODEL_ARGS=()
 TEACHER_EXPERTS=""  # MoS: the teacher's expert plan (the EP size must divide it too)
 KD_ARGS=()
 
@@ -178,7 +181,7 @@ run_recipe() {
     local moe_args=()
     if [[ $EXPERTS != 1 ]]; then
         # shellcheck disable=SC2206
-        moe_args=(--num-experts $EXPERTS --expert-interval 2 --topk "$TOPK" --mlp-type "$MLP_TYPE"
+        moe_args=(--num-experts $EXPERTS --expert-interval "$EXPERT_INTERVAL" --topk "$TOPK" --mlp-type "$MLP_TYPE"
             --moe-expert-parallel-size "$ep" --moe-loss-coeff "$MOE_LOSS_COEFF"
             --moe-train-capacity-factor "$CAPACITY_FACTOR" --moe-eval-capacity-factor "$CAPACITY_FACTOR"
             --moe-min-capacity "$MIN_CAPACITY" --create-moe-param-group)
@@ -187,7 +190,7 @@ run_recipe() {
     local args=(
         --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
         --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN" --init-method-std "$INIT_STD"
-        "${moe_args[@]}"
+        "${moe_args[@]}" "${MODEL_ARGS[@]}"
         --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
         --train-tokens "$TRAIN_TOKENS" --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
         --lr-warmup-tokens "$LR_WARMUP_TOKENS" --lr-decay-tokens "$LR_DECAY_TOKENS"
