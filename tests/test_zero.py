@@ -239,6 +239,10 @@ def test_checkpoint_from_stage_1_or_3_loads_under_one_process_and_other_stages_e
 # GPT with a tied embedding (read again by the LM head), MoE layers and recomputed activations
 RUNS = {
     "dense": {}, "moe": {"num_experts": 4, "checkpoint_activations": True},
+    "modern": {"num_experts": 4, "topk": 2, "swiglu": True, "disable_bias_linear": True, "moe_ffn_hidden_size": 16,
+               "moe_shared_expert_intermediate_size": 16, "moe_router_score_function": "sigmoid",
+               "moe_router_enable_expert_bias": True, "normalization": "RMSNorm", "group_query_attention": True,
+               "num_query_groups": 2, "position_embedding_type": "rope"},
 }
 
 
