@@ -454,6 +454,11 @@ class Engine:
             load_model_entries(self.module, ShardedReader(folder, MODEL))
             if self.zero is not None:
                 self.zero.copy_from_parameters()
+        if load_optimizer and meta.get("weights_only"):  # e.g. imported from Hugging Face
+            load_optimizer = False
+            if self.parallel.is_first_rank:
+                print(f" > {folder} holds weights only: the optimizer, loss scale and LR schedule start afresh",
+                      flush=True)
         if load_optimizer:
             reader = ShardedReader(folder, OPTIMIZER)
             given = optimizer_groups(self.optimizer)

@@ -1,0 +1,189 @@
+"""Import: a Hugging Face folder (config.json and safetensors weights, as save_pretrained writes
+them) -> a weights-only checkpoint of ours to continue pretraining from (our_checkpoint.py says
+how to load it), converted one tensor at a time.
+
+The model flags are worked out from config.json and parsed as pretrain_gpt.py parses them; the
+same flags (printed at the end, and saved in the checkpoint) then build the same model for
+training. The vocabulary keeps the checkpoint's rows: --make-vocab-size-divisible-by is chosen so
+that our padding of the tokenizer's vocabulary gives exactly that many (the largest power of two
+up to 128 that does, else the row count itself). Tensors keep their dtype unless --dtype says
+otherwise (our training keeps fp32 weights and reads any dtype), so hf -> ours -> hf is
+bit-identical.
+"""
+
+import json
+import re
+import shlex
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpoint.hf.architectures import Spec, choose_spec, flags_from_hf, moe_layout
+from megatron.checkpoint.hf.link_runner import LinkRunner, plan
+from megatron.checkpoint.hf.our_checkpoint import check_entries, expected_entries, write_weights_checkpoint
+from megatron.checkpoint.hf.routing import routing_of
+from megatron.checkpoint.hf.safetensors_io import TensorIndex
+from megatron.checkpoint.hf.tensor_maps import model_links
+from megatron.checkpoint.hf.tokenizer_files import import_tokenizer
+from megatron.checkpoint.manifest import RunRecord
+from megatron.config.flags import build_parser, model_config_from_args
+from megatron.data.tokenizer import padded_vocab_size
+from megatron.errors import CheckpointError, ConfigError
+from megatron.inference.mode import inference_config
+from megatron.model import GPTConfig
+
+Log = Callable[[str], None]
+# tensors a Hugging Face checkpoint may hold that no model computes with: GPT-2's attention-mask
+# buffers, rotary tables saved by old versions, multi-token-prediction layers past the last layer
+IGNORED = (re.compile(r".*\.attn\.(masked_)?bias"), re.compile(r".*rotary_emb\.inv_freq"))
+
+
+def weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = [hf_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [path for path in files if not path.is_file()]
+        if missing:
+            raise CheckpointError(f"{missing[0]} is missing, though {index.name} names it; give the whole folder")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if files:
+        return files
+    if any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
+        raise CheckpointError(f"{hf_dir} holds its weights as PyTorch pickles, which this converter does not read "
+                              "(nothing here is unpickled); save the model with save_pretrained(safe_serialization=True)")
+    raise CheckpointError(f"{hf_dir} holds no safetensors weights; give the folder save_pretrained wrote")
+
+
+def vocab_divisor(tokens: int, rows: int) -> int:
+    """The --make-vocab-size-divisible-by that pads `tokens` ids to exactly `rows`."""
+    return next((d for d in (128, 64, 32, 16, 8, 4, 2, 1) if padded_vocab_size(tokens, d) == rows), rows)
+
+
+def read_hf_config(hf_dir: Path) -> Any:
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise CheckpointError("importing a Hugging Face model reads its config with transformers; "
+                              "pip install transformers") from None
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; give the folder save_pretrained wrote")
+    try:
+        return AutoConfig.from_pretrained(str(hf_dir))
+    except (ValueError, KeyError, OSError) as error:
+        raise CheckpointError(f"{hf_dir / 'config.json'} is not a config transformers reads ({error}); "
+                              "give the folder save_pretrained wrote") from None
+
+
+def parse_model_flags(flags: list[str], vocab_size: int, hf_dir: Path) -> tuple[GPTConfig, dict]:
+    """Our model from `flags`, exactly as pretrain_gpt.py would build it, and the parsed flags."""
+    positions = flags[flags.index("--max-position-embeddings") + 1]
+    try:
+        args = build_parser(sizing=True).parse_args(flags + ["--seq-length", positions])
+        return replace(model_config_from_args(args), vocab_size=vocab_size), vars(args)
+    except ConfigError as error:
+        raise CheckpointError(f"{hf_dir} was not imported: its config becomes flags this toolkit refuses ({error})") from None
+
+
+def check_same_model(config: GPTConfig, spec: Spec, hf: Any, hf_dir: Path) -> None:
+    """The parsed model must export back to the same class, router and layer layout."""
+    try:
+        chosen = choose_spec(inference_config(config), str(hf_dir))
+        problem = None if chosen is spec else f"it would export as {chosen.name}"
+    except CheckpointError as error:
+        problem = f"it would not export back ({error})"
+    if problem is None and spec.moe:
+        layout = moe_layout(hf, spec)
+        if routing_of(config.moe) != layout.routing:
+            problem = f"its router would compute {routing_of(config.moe)} instead of {layout.routing}"
+        elif tuple(config.experts_per_layer) != layout.experts_per_layer:
+            problem = f"its MoE layers would be {config.experts_per_layer} instead of {list(layout.experts_per_layer)}"
+    if problem:
+        raise CheckpointError(f"{hf_dir} was not imported: {problem} (a converter fault: please report it)")
+
+
+def unused_tensors(found: set[str], used: set[str], config: GPTConfig) -> list[str]:
+    """What the Hugging Face files hold that the model does not use, beyond what is known to be unused."""
+    head = {"lm_head.weight", "embed_out.weight"} if not config.untie_embeddings_and_output_weights else set()
+    layer = re.compile(r".*layers\.(\d+)\.")
+
+    def ignored(name: str) -> bool:
+        past_last = (match := layer.match(name)) is not None and int(match.group(1)) >= config.num_layers
+        return name in head or past_last or any(pattern.fullmatch(name) for pattern in IGNORED)
+
+    return sorted(name for name in found - used if not ignored(name))
+
+
+@dataclass(frozen=True)
+class Imported:
+    folder: Path  # the checkpoint's iteration folder
+    flags: list[str]  # pretrain_gpt.py's flags for the model and its tokenizer
+
+
+def import_from_hf(hf_dir: str, save: str, ep_size: int = 1, dtype: torch.dtype | None = None,
+                   log: Log = print) -> Imported:
+    """Convert the Hugging Face folder `hf_dir` into the new checkpoint directory `save`."""
+    source, target = Path(hf_dir), Path(save)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"--save {target} already exists and is not an empty folder; give a new folder, so that "
+                              "nothing is overwritten")
+    hf = read_hf_config(source)
+    spec, model_flags = flags_from_hf(hf, str(source))
+    with TensorIndex(weight_files(source)) as index:
+        try:
+            folder, flags, note = _convert(source, target, hf, spec, model_flags, index, ep_size, dtype)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+    if note:
+        log(f" > note: {note}")
+    log(f" > imported {source} ({spec.name}) into {folder}; continue pretraining with these flags and your data, "
+        f"batch and schedule flags:\n{shlex.join(flags)} --load {shlex.quote(str(target))}")
+    return Imported(folder, flags)
+
+
+def _convert(source: Path, target: Path, hf: Any, spec: Spec, model_flags: list[str], index: TensorIndex, ep_size: int,
+             dtype: torch.dtype | None) -> tuple[Path, list[str], str | None]:
+    rows = hf.vocab_size
+    tokenizer = import_tokenizer(source, target / "tokenizer", rows)
+    ours = tokenizer.tokenizer
+    if ours.vocab_size > rows:
+        raise CheckpointError(f"{source}'s tokenizer has {ours.vocab_size} ids but its model only {rows} embedding rows; "
+                              "give the folder of a model and the tokenizer it was trained with")
+    flags = model_flags + tokenizer.flags + ["--make-vocab-size-divisible-by", str(vocab_divisor(ours.vocab_size, rows))]
+    if ep_size > 1:
+        flags += ["--moe-expert-parallel-size", str(ep_size)]
+    config, parsed = parse_model_flags(flags, rows, source)
+    check_same_model(config, spec, hf, source)
+    uneven = sorted({count for count in config.experts_per_layer if count > 1 and count % ep_size})
+    if uneven:
+        raise ConfigError(f"--moe-expert-parallel-size {ep_size} does not divide the {uneven[0]} experts of "
+                          f"{source}'s MoE layers; choose an expert-parallel size that divides it")
+    links = model_links(config, spec.family, spec.model_type, torch.float32)  # (the dtype of zeros only exports make)
+    needed = {name for link in links for name in link.theirs}
+    missing = sorted(needed - index.info.keys())
+    if missing:
+        fused = any(name.endswith("experts.gate_up_proj") for name in index.info)
+        how = ("it stores the experts fused (gate_up_proj): save it with save_pretrained(save_original_format=True)"
+               if fused else "give the folder save_pretrained wrote, with all its shards")
+        raise CheckpointError(f"{source} lacks {missing[0]}, which its config.json calls for; {how}")
+    unused = unused_tensors(set(index.info), needed, config)
+    if unused:
+        raise CheckpointError(f"{source} holds {unused[0]}, which a {spec.name} model of its config.json does not "
+                              "use; give the folder of one model as save_pretrained wrote it")
+    planned = plan(links, False, index.info, dtype)
+    check_entries({entry.name: entry.info for entry in planned}, expected_entries(config), str(source),
+                  "its tensors do not fit its config.json")
+    model_config = asdict(config)
+    client = {"iteration": 0, "consumed_samples": 0, "model_config": model_config, "flags": parsed,
+              "converted_from": str(source.resolve())}
+    run = RunRecord(iteration=0, consumed_samples=0, consumed_tokens=0, model=model_config,
+                    tokenizer={"type": parsed["tokenizer_type"], "model": parsed["tokenizer_model"],
+                               "vocab_file": parsed["vocab_file"], "merge_file": parsed["merge_file"],
+                               "vocab_size": ours.vocab_size})
+    folder = write_weights_checkpoint(target, planned, LinkRunner(links, False, index, dtype), client, run, ep_size)
+    return folder, flags, tokenizer.note

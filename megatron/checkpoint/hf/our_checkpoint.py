@@ -1,0 +1,89 @@
+"""Our side of a conversion: the tensors a model config calls for, and a weights-only checkpoint
+written tensor by tensor with the same layout, manifest and crash safety as a training save.
+
+The checkpoint is `SAVE/iter_0000000/` with `latest` naming it: model_rank00000*.safetensors
+(experts one entry per global expert id, so any expert-parallel size loads it), engine.json whose
+client state holds the model config and the flags (as a training run's does, so load_model and
+tools/generate.py read it), and the manifest with every file's size and checksum. It has no
+optimizer or RNG state: training continues from it with `--load SAVE` (the optimizer starts afresh; or
+`--reset-iteration`), under any ZeRO stage and expert-parallel size.
+"""
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron.checkpoint.durable import fsync_path, replace_durably, write_text_durably
+from megatron.checkpoint.hf.safetensors_io import Planned, TensorInfo, plan_files, write_file
+from megatron.checkpoint.iterations import holds_checkpoints
+from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file, staging_folder
+from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
+from megatron.checkpoint.tensors import expert_ids, global_entries
+from megatron.errors import CheckpointError
+from megatron.model import GPTConfig, GPTModel
+
+PART_BYTES = 256 << 20  # as a training save cuts its files
+
+
+def expected_entries(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every entry (name and shape) a checkpoint of model `config` holds, from the model built on
+    the meta device (no memory), experts one entry per global id."""
+    with torch.device("meta"):
+        model = GPTModel(config)
+    entries: dict[str, tuple[int, ...]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        entries.update({key: tuple(value.shape) for key, value in global_entries(name, tensor, expert_ids(tensor)).items()})
+    return entries
+
+
+def check_entries(found: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], where: str, fix: str) -> None:
+    """Refuse (naming the first) a missing entry or one of another shape."""
+    for name, shape in expected.items():
+        if name not in found:
+            raise CheckpointError(f"{where} lacks {name}; {fix}")
+        if found[name].shape != shape:
+            raise CheckpointError(f"{name} in {where} has shape {found[name].shape} but the model config calls for "
+                                  f"{shape}; {fix}")
+
+
+def refuse_existing_checkpoints(save: Path) -> None:
+    if holds_checkpoints(str(save)):
+        raise CheckpointError(f"--save {save} already holds checkpoints; give an empty or new folder, so that nothing "
+                              "is overwritten")
+
+
+def write_weights_checkpoint(save: Path, planned: list[Planned], produce: Callable[[str], torch.Tensor],
+                             client_state: dict[str, Any], run: RunRecord, ep_size: int) -> Path:
+    """Write `SAVE/iter_0000000/` (staged, then renamed into place) and move `latest` to it."""
+    refuse_existing_checkpoints(save)
+    final = save / iteration_tag(0)
+    staging = staging_folder(final)
+    save.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        files: dict[str, FileRecord] = {}
+        for part, entries in enumerate(plan_files(planned, PART_BYTES)):
+            name = rank_file(MODEL, 0, part)
+            size, checksum = write_file(staging / name, entries, produce)
+            files[name] = FileRecord(size=size, checksum=checksum)
+        engine = {"global_steps": 0, "micro_steps": 0, "skipped_steps": 0, "optimizer_groups": [], "lr_scheduler": None,
+                  "loss_scaler": None, "client_state": client_state, "dp_size": 1, "ep_size": ep_size,
+                  "weights_only": True}
+        (staging / ENGINE_FILE).write_text(json.dumps(engine, indent=1))
+        fsync_path(staging / ENGINE_FILE)
+        files[ENGINE_FILE] = file_record(staging / ENGINE_FILE)
+        write_manifest(staging, Manifest(
+            format_version=FORMAT_VERSION, run=run, world_size=1, data_parallel_size=1, expert_parallel_size=ep_size,
+            zero_stage=0, precision="fp32", files=dict(sorted(files.items()))))
+        fsync_path(staging)
+        replace_durably(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    write_text_durably(save / LATEST_FILE, "0\n")
+    return final

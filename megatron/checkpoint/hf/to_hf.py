@@ -1,0 +1,114 @@
+"""Export: a checkpoint of ours -> a folder that transformers' AutoModelForCausalLM and
+AutoTokenizer load with no extra code: config.json, the tokenizer files, and the weights as
+save_pretrained writes them (model.safetensors, or model-0000i-of-0000n.safetensors shards of at
+most --max-shard-size with model.safetensors.index.json), converted one tensor at a time.
+
+The vocabulary keeps its padded rows (--make-vocab-size-divisible-by): config.json's vocab_size
+is the embedding's, larger than the tokenizer's, as in GPT-NeoX's and Qwen's own checkpoints, so
+the logits are ours to the last column. The folder is written as SAVE.tmp and renamed at the end.
+"""
+
+import importlib.util
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron.checkpoint.hf.architectures import choose_spec, hf_config
+from megatron.checkpoint.hf.link_runner import LinkRunner, plan
+from megatron.checkpoint.hf.our_checkpoint import check_entries, expected_entries
+from megatron.checkpoint.hf.safetensors_io import TensorIndex, plan_files, write_file
+from megatron.checkpoint.hf.tensor_maps import model_links
+from megatron.checkpoint.hf.tokenizer_files import export_tokenizer, first_difference
+from megatron.checkpoint.layout import MODEL, rank_files
+from megatron.data.tokenizer import Tokenizer
+from megatron.errors import CheckpointError
+from megatron.inference.checkpoint_model import (
+    TOKENIZER_FILE_FLAGS, checkpoint_folder, model_config_from_state, read_client_state, tokenizer_from_flags,
+)
+from megatron.inference.mode import inference_config
+from megatron.parallel import single_process_grid
+
+Log = Callable[[str], None]
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def shard_name(index: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def refuse_existing_target(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--save {out} already exists and is not an empty folder; give a new folder, so that "
+                              "nothing is overwritten")
+
+
+def refuse_small_disk(out: Path, needed: int) -> None:
+    existing = next(parent for parent in (out, *out.parents) if parent.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise CheckpointError(f"the export needs about {needed:,} bytes but {existing}'s disk has {free:,} free; "
+                              "free space or give --save on a larger disk")
+
+
+def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_bytes: int = 5 * 10**9,
+                 dtype: torch.dtype | None = None, tokenizer_overrides: dict[str, str | None] | None = None,
+                 log: Log = print) -> Path:
+    """Export checkpoint `load` (iteration `ckpt_step`, else the latest) into the new folder `save`,
+    its floating-point tensors cast to `dtype` if given; returns the folder."""
+    out = Path(save)
+    refuse_existing_target(out)
+    folder = checkpoint_folder(load, single_process_grid(torch.device("cpu")), ckpt_step)
+    client = read_client_state(folder)
+    config = inference_config(model_config_from_state(client["model_config"], folder))  # dropless, as ours infers
+    spec = choose_spec(config, str(folder))
+    flags, overrides = client["flags"], tokenizer_overrides or {}
+    tokenizer = tokenizer_from_flags(flags, overrides)
+    files = {name: overrides.get(name) or flags.get(name) for name in TOKENIZER_FILE_FLAGS}
+    with TensorIndex(rank_files(folder, MODEL)) as index:
+        check_entries(index.info, expected_entries(config), str(folder),
+                      "the checkpoint does not hold the model its own config describes; export another iteration")
+        links = model_links(config, spec.family, spec.model_type, dtype or index.info["word_embeddings.weight"].dtype)
+        shards = plan_files(plan(links, True, index.info, dtype), max_shard_bytes)
+        total = sum(entry.info.nbytes for shard in shards for entry in shard)
+        refuse_small_disk(out, total)
+        staging = out.with_name(out.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            tokens = export_tokenizer(flags["tokenizer_type"], files, tokenizer, staging, config.max_position_embeddings)
+            check_tokenizer(tokenizer, staging, log)
+            stored = str(shards[0][0].info.dtype).removeprefix("torch.")
+            (staging / "config.json").write_text(json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n")
+            runner = LinkRunner(links, True, index, dtype)
+            for number, shard in enumerate(shards):
+                write_file(staging / shard_name(number, len(shards)), shard, runner, metadata={"format": "pt"})
+                log(f" > wrote {shard_name(number, len(shards))} ({sum(e.info.nbytes for e in shard):,} bytes)")
+            if len(shards) > 1:
+                weight_map = {entry.name: shard_name(number, len(shards))
+                              for number, shard in enumerate(shards) for entry in shard}
+                (staging / INDEX_FILE).write_text(json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+    log(f" > exported {folder} as {spec.name} ({spec.hf_class}, {total:,} bytes in {len(shards)} file"
+        f"{'s' if len(shards) > 1 else ''}, vocabulary {config.vocab_size} rows for a tokenizer of "
+        f"{tokenizer.vocab_size}) to {out}")
+    return out
+
+
+def check_tokenizer(tokenizer: Tokenizer, folder: Path, log: Log) -> None:
+    """The exported tokenizer must give our ids; checked where transformers is installed."""
+    if importlib.util.find_spec("transformers") is None:
+        log(" > transformers is not installed, so the exported tokenizer was not checked against ours")
+        return
+    difference = first_difference(tokenizer, folder)
+    if difference:
+        raise CheckpointError(f"the exported tokenizer does not match the checkpoint's: {difference}; nothing was "
+                              "written (export with the tokenizer files the model was trained with)")

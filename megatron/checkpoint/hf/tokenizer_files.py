@@ -1,0 +1,163 @@
+"""Tokenizers both ways, checked to give the same ids.
+
+Export: a SentencePiece model goes as tokenizer.model plus the tokenizer.json that transformers
+builds from the model's own settings (its normalizer, dummy prefix, byte fallback), loaded as
+PreTrainedTokenizerFast: transformers' LlamaTokenizer would apply Llama's whitespace rules instead
+of the model's. GPT-2's BPE goes as vocab.json and merges.txt for GPT2Tokenizer. The NullTokenizer
+(text is space-separated ids) goes as a word-level tokenizer.json that maps "17" to 17. Neither
+side adds a BOS or EOS token by itself, as ours does not. The exported tokenizer must give our ids
+on a few probe texts, or the export stops.
+
+Import: tokenizer.model becomes our SentencePieceTokenizer, vocab.json + merges.txt our
+GPT2BPETokenizer (both copied next to the checkpoint), the word-level ids of an exported
+NullTokenizer a NullTokenizer again; any other tokenizer has no equivalent here,
+so the checkpoint gets a NullTokenizer over the model's vocabulary (pre-tokenized data, ids as
+text). A difference from the Hugging Face tokenizer on the probe texts is reported.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron.data.tokenizer import GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer, Tokenizer
+from megatron.errors import CheckpointError, DataError
+
+PROBE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! It's 2024: naïve café, 東京 and 🙂 too.",
+    "  two  spaces,\ttabs\nand\n\nnew lines ",
+    "x = f(3.14159) + y_2 ** -1  # code",
+)
+GPT2_END = "<|endoftext|>"
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+
+
+def _require_transformers(what: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError(f"{what} needs transformers; pip install transformers") from None
+    return transformers
+
+
+def export_tokenizer(kind: str, files: dict[str, str | None], ours: Tokenizer, out: Path,
+                     max_length: int) -> dict[str, int | None]:
+    """Write `ours` (of --tokenizer-type `kind`, from `files`) into `out` for AutoTokenizer; returns
+    the special token ids for config.json."""
+    common = {"model_max_length": max_length, "clean_up_tokenization_spaces": False,
+              "add_bos_token": False, "add_eos_token": False}
+    if kind == "SentencePieceTokenizer":
+        import sentencepiece
+
+        shutil.copyfile(files["tokenizer_model"], out / "tokenizer.model")
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+        specials = {f"{name}_token": sp.id_to_piece(i) for name, i in
+                    (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id())) if i >= 0}
+        _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **specials, **common})
+        transformers = _require_transformers("exporting a SentencePiece tokenizer")
+        try:  # transformers 5 builds tokenizer.json from the model's own settings
+            built = transformers.AutoTokenizer.from_pretrained(str(out))
+            built.backend_tokenizer.save(str(out / "tokenizer.json"))
+        except (ValueError, OSError, AttributeError) as error:
+            raise CheckpointError(f"transformers {transformers.__version__} cannot build tokenizer.json from a "
+                                  f"SentencePiece model ({error}); pip install -U 'transformers>=5'") from None
+        return {"bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None, "eos_token_id": ours.eod}
+    if kind == "GPT2BPETokenizer":
+        shutil.copyfile(files["vocab_file"], out / "vocab.json")
+        shutil.copyfile(files["merge_file"], out / "merges.txt")
+        _write_json(out / "tokenizer_config.json", {
+            "tokenizer_class": "GPT2Tokenizer", "bos_token": GPT2_END, "eos_token": GPT2_END, "unk_token": GPT2_END,
+            "add_prefix_space": False, "errors": "replace", **common})
+        return {"bos_token_id": ours.eod, "eos_token_id": ours.eod}
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+
+    backend = Backend(models.WordLevel({str(i): i for i in range(ours.vocab_size)}, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast",
+                                                "eos_token": str(ours.eod), **common})
+    return {"bos_token_id": None, "eos_token_id": ours.eod}
+
+
+def probe_texts(ours: Tokenizer) -> tuple[str, ...]:
+    if isinstance(ours, NullTokenizer):
+        step = max(ours.vocab_size // 7, 1)
+        return (" ".join(str(i) for i in range(0, ours.vocab_size, step)), f"0 {ours.eod}  1\n2")
+    return PROBE_TEXTS
+
+
+def first_difference(ours: Tokenizer, folder: Path) -> str | None:
+    """How the tokenizer AutoTokenizer loads from `folder` differs from ours on the probe texts, or None."""
+    theirs = _require_transformers("checking the tokenizer").AutoTokenizer.from_pretrained(str(folder))
+    for text in probe_texts(ours):
+        ids = theirs(text, add_special_tokens=False)["input_ids"]
+        if ids != ours.tokenize(text):
+            return f"it splits {text!r} into ids {ids[:12]} where ours gives {ours.tokenize(text)[:12]}"
+        if theirs.decode(ids) != ours.detokenize(ids):
+            return f"it decodes {text!r} as {theirs.decode(ids)!r} where ours gives {ours.detokenize(ids)!r}"
+    return None
+
+
+def null_tokenizer_size(hf_dir: Path) -> int | None:
+    """The id count of a tokenizer.json that is a NullTokenizer as `export_tokenizer` writes it
+    ("0" -> 0, ..., end of document the last id), else None."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file() or path.stat().st_size > 64 << 20:
+        return None
+    model = json.loads(path.read_text()).get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "WordLevel" or not isinstance(vocab, dict) or vocab != {str(i): i for i in range(len(vocab))}:
+        return None
+    return len(vocab)
+
+
+@dataclass(frozen=True)
+class ImportedTokenizer:
+    flags: list[str]  # ours, for pretrain_gpt.py
+    tokenizer: Tokenizer
+    note: str | None  # what the user should know (no equivalent, or a difference)
+
+
+def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedTokenizer:
+    """Our tokenizer for the Hugging Face folder `hf_dir`, its files copied into `dest`."""
+    imported, problem = None, None
+    try:
+        if (hf_dir / "tokenizer.model").is_file():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(hf_dir / "tokenizer.model", dest / "tokenizer.model")
+            model = str((dest / "tokenizer.model").resolve())
+            imported = (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model],
+                        SentencePieceTokenizer(model))
+        elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in ("vocab.json", "merges.txt"):
+                shutil.copyfile(hf_dir / name, dest / name)
+            vocab, merges = str((dest / "vocab.json").resolve()), str((dest / "merges.txt").resolve())
+            imported = (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
+                        GPT2BPETokenizer(vocab, merges))
+        elif (ids := null_tokenizer_size(hf_dir)) is not None:
+            imported = (["--tokenizer-type", "NullTokenizer", "--vocab-size", str(ids)], NullTokenizer(ids))
+    except DataError as error:
+        problem = f"its tokenizer files are not ones this toolkit reads ({error})"
+    if imported is None:
+        problem = problem or "it has no tokenizer.model (SentencePiece) nor vocab.json and merges.txt (GPT-2 BPE)"
+        return ImportedTokenizer(
+            ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model_vocab)], NullTokenizer(model_vocab),
+            f"{hf_dir}: {problem}, so the checkpoint has a NullTokenizer over the model's {model_vocab} ids "
+            f"(end of document {model_vocab - 1}): train it on data tokenized elsewhere, ids written as text")
+    flags, tokenizer = imported
+    note = None
+    if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        try:
+            difference = first_difference(tokenizer, hf_dir)
+        except Exception as error:  # a tokenizer transformers cannot load is not ours to judge
+            difference = f"transformers could not load it to compare ({type(error).__name__}: {error})"
+        if difference:
+            note = (f"{hf_dir}'s Hugging Face tokenizer and ours from the same files differ: {difference}; data "
+                    "tokenized by this toolkit follows ours")
+    return ImportedTokenizer(flags, tokenizer, note)
