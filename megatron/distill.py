@@ -84,10 +84,31 @@ def _global_shapes(config: GPTConfig) -> dict[str, torch.Size]:
         return {name: tensor.shape for name, tensor in GPTModel(config).state_dict().items()}
 
 
+# options under which a tensor of the same name and shape means something else: SwiGLU's first MLP
+# weight holds gate and up halves, the grouped QKV layout interleaves the heads by query group
+# (the same shape as the plain layout when every head is its own group), the norms and positions
+# scale and rotate what the weights see
+MEANING_FIELDS = ("swiglu", "normalization", "position_embedding_type", "rotary_percent", "rotary_base")
+
+
+def _meaning_differences(student: GPTConfig, teacher: GPTConfig) -> list[str]:
+    differences = [f"{name} {getattr(teacher, name)} there, {getattr(student, name)} here" for name in MEANING_FIELDS
+                   if getattr(student, name) != getattr(teacher, name)]
+    if (student.num_query_groups is None) != (teacher.num_query_groups is None):
+        differences.append("grouped-query attention's QKV layout on one side only")
+    return differences
+
+
 def init_student_from_teacher(student: GPTModel, folder: Path, teacher: GPTConfig) -> str:
     """Copy into `student` every teacher tensor of the same name and shape: the embeddings, the
     final layernorm and the layers the student has (layer i from teacher layer i), minus the
-    parts whose shapes differ (another expert count, say). Returns the log line saying which."""
+    parts whose shapes differ (another expert count, say). Returns the log line saying which.
+    Refused where the two models' options give same-shaped tensors different meanings."""
+    differences = _meaning_differences(student.config, teacher)
+    if differences:
+        raise ConfigError(f"--mos-init-from-teacher copies tensors by name and shape, but the teacher in {folder} is "
+                          f"built differently ({'; '.join(differences)}); give the student the teacher's model "
+                          "options or drop --mos-init-from-teacher")
     teacher_shapes = _global_shapes(teacher)
     taken = {name for name, shape in _global_shapes(student.config).items() if teacher_shapes.get(name) == shape}
     if not taken:

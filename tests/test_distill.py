@@ -72,6 +72,15 @@ def test_init_from_teacher_keeps_the_layers_the_student_has(corpus, teacher, cap
     assert student["layers.1.mlp.router.weight"].shape[0] == 8 != teacher_model["layers.1.mlp.router.weight"].shape[0]
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"swiglu": True, "ffn_hidden_size": 64}, "swiglu False there, True here"),  # the same [128, 32] first weight
+    ({"group_query_attention": True, "num_query_groups": 4}, "QKV layout on one side only"),  # G = N: same shape
+])
+def test_init_from_teacher_refuses_same_shaped_tensors_of_another_meaning(corpus, teacher, options, message):
+    with pytest.raises(ConfigError, match=message):
+        Trainer(kd_config(corpus, teacher, train_iters=1, mos_init_from_teacher=True, **options), SINGLE)
+
+
 def test_alpha_weights_the_students_own_lm_loss(corpus, teacher):
     def first_step(alpha: float) -> torch.Tensor:
         trainer = Trainer(kd_config(corpus, teacher, train_iters=1, kd_alpha_ce=alpha), SINGLE)
