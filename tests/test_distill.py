@@ -11,7 +11,7 @@ from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_config, tiny_flags, write_corpus
+from tests.training_fixtures import MODERN_MOE, tiny_config, tiny_flags, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
@@ -72,20 +72,13 @@ def test_init_from_teacher_keeps_the_layers_the_student_has(corpus, teacher, cap
     assert student["layers.1.mlp.router.weight"].shape[0] == 8 != teacher_model["layers.1.mlp.router.weight"].shape[0]
 
 
-MODERN = {"swiglu": True, "disable_bias_linear": True, "normalization": "RMSNorm", "group_query_attention": True,
-          "num_query_groups": 2, "position_embedding_type": "rope", "moe_ffn_hidden_size": 16,
-          "moe_shared_expert_intermediate_size": 16, "moe_router_score_function": "sigmoid",
-          "moe_router_enable_expert_bias": True, "topk": 2, "untie_embeddings_and_output_weights": True}
-
-
 def test_a_modern_moe_student_distils_from_a_modern_teacher(corpus, tmp_path):
     """MoS with today's architecture on both sides (SwiGLU bias-free fine-grained and shared experts,
     sigmoid routing with expert bias, GQA, rope, untied head): the student starts as the teacher."""
     save = tmp_path / "teacher"
-    Trainer(tiny_config(corpus, num_layers=4, num_experts=[4], train_iters=3, save=str(save), **NO_DROPOUT, **MODERN),
-            SINGLE).train()
-    trainer = Trainer(kd_config(corpus, str(save), num_layers=4, num_experts=[4], train_iters=1, mos_init_from_teacher=True,
-                                disable_moe_token_dropping=True, **MODERN), SINGLE)
+    Trainer(tiny_config(corpus, num_layers=4, train_iters=3, save=str(save), **NO_DROPOUT, **MODERN_MOE), SINGLE).train()
+    trainer = Trainer(kd_config(corpus, str(save), num_layers=4, train_iters=1, mos_init_from_teacher=True,
+                                disable_moe_token_dropping=True, **MODERN_MOE), SINGLE)
     assert trainer.train().kd_losses[0] < 1e-5
 
 

@@ -20,7 +20,7 @@ from megatron.runtime.engine import Engine
 from megatron.runtime.swap.slots import SwapError
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 
 H, BATCH, STEPS, SAVE_AT = 24, 8, 10, 5
 ROUTING = MoEConfig(topk=1, drop_tokens=False, use_rts=False, sample_second_expert=False, aux_loss_coeff=0.0)
@@ -278,13 +278,13 @@ def test_a_failed_parameter_swap_stops_training_with_a_clear_error(tmp_path):
         engine(torch.randn(2, 3, H))
 
 
-def _trainer_parameters(corpus: str, configs: dict[str, str]) -> dict[str, torch.Tensor]:
+def _trainer_parameters(corpus: str, configs: dict[str, str], model: dict) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"))
     out: dict[str, torch.Tensor] = {}
     for label, ds_json in configs.items():
         config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=4, micro_batch_size=1, global_batch_size=4,
-                             hidden_dropout=0.0, attention_dropout=0.0, num_experts=4, checkpoint_activations=True,
-                             deepspeed=True, deepspeed_config=ds_json)
+                             hidden_dropout=0.0, attention_dropout=0.0, checkpoint_activations=True,
+                             deepspeed=True, deepspeed_config=ds_json, **{"num_experts": 4, **model})
         trainer = Trainer(config, grid)
         trainer.train()
         with trainer.engine.whole_parameters():
@@ -292,8 +292,10 @@ def _trainer_parameters(corpus: str, configs: dict[str, str]) -> dict[str, torch
     return out
 
 
-def test_trainer_with_parameters_and_optimizer_on_nvme_equals_stage_3_in_memory(tmp_path):
-    """A GPT with a tied embedding, MoE and recomputed activations, configured by a DeepSpeed JSON."""
+@pytest.mark.parametrize("model", [{}, MODERN_MOE], ids=["classic", "modern"])
+def test_trainer_with_parameters_and_optimizer_on_nvme_equals_stage_3_in_memory(tmp_path, model):
+    """A GPT with MoE and recomputed activations (the classic one with a tied embedding, today's
+    architecture with an untied head), configured by a DeepSpeed JSON."""
     corpus = write_corpus(tmp_path)
     stage3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
     nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
@@ -302,7 +304,7 @@ def test_trainer_with_parameters_and_optimizer_on_nvme_equals_stage_3_in_memory(
     for label, zero in configs.items():
         (tmp_path / f"{label}.json").write_text(json.dumps({"zero_optimization": zero}))
     paths = {label: str(tmp_path / f"{label}.json") for label in configs}
-    for result in run_distributed(_trainer_parameters, 2, corpus, paths):
+    for result in run_distributed(_trainer_parameters, 2, corpus, paths, model):
         names = [k.split("/", 1)[1] for k in result if k.startswith("memory/")]
         assert len(names) > 5
         for name in names:

@@ -17,7 +17,7 @@ from megatron.runtime.engine import Engine
 from megatron.runtime.zero.buffer_pool import BufferPool
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 
 H, GLOBAL_BATCH, MICRO_BATCH, STEPS, SAVE_AT = 15, 8, 2, 5, 3
 # token-wise routing without capacity drops or an aux loss: two ranks on half the batch each
@@ -239,10 +239,7 @@ def test_checkpoint_from_stage_1_or_3_loads_under_one_process_and_other_stages_e
 # GPT with a tied embedding (read again by the LM head), MoE layers and recomputed activations
 RUNS = {
     "dense": {}, "moe": {"num_experts": 4, "checkpoint_activations": True},
-    "modern": {"num_experts": 4, "topk": 2, "swiglu": True, "disable_bias_linear": True, "moe_ffn_hidden_size": 16,
-               "moe_shared_expert_intermediate_size": 16, "moe_router_score_function": "sigmoid",
-               "moe_router_enable_expert_bias": True, "normalization": "RMSNorm", "group_query_attention": True,
-               "num_query_groups": 2, "position_embedding_type": "rope"},
+    "modern": MODERN_MOE,
 }
 
 

@@ -50,5 +50,13 @@ def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
     return argv
 
 
+# today's MoE architecture, for tests that check it composes with a feature: SwiGLU bias-free fine-grained and
+# shared experts, sigmoid routing with expert bias, RMSNorm, GQA, rope, an untied output layer
+MODERN_MOE = {"num_experts": 4, "topk": 2, "swiglu": True, "disable_bias_linear": True, "moe_ffn_hidden_size": 16,
+              "moe_shared_expert_intermediate_size": 16, "moe_router_score_function": "sigmoid",
+              "moe_router_enable_expert_bias": True, "normalization": "RMSNorm", "group_query_attention": True,
+              "num_query_groups": 2, "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True}
+
+
 def tiny_config(data_prefix: str, dp_size: int = 1, **overrides: object) -> PretrainConfig:
     return with_data_parallel_size(parse_args(tiny_flags(data_prefix, **overrides)), dp_size)
