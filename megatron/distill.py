@@ -92,8 +92,7 @@ MEANING_FIELDS = ("swiglu", "normalization", "position_embedding_type", "rotary_
 
 
 def _meaning_differences(student: GPTConfig, teacher: GPTConfig) -> list[str]:
-    differences = [f"{name} {getattr(teacher, name)} there, {getattr(student, name)} here" for name in MEANING_FIELDS
-                   if getattr(student, name) != getattr(teacher, name)]
+    differences = student.differences(teacher, MEANING_FIELDS)
     if (student.num_query_groups is None) != (teacher.num_query_groups is None):
         differences.append("grouped-query attention's QKV layout on one side only")
     return differences

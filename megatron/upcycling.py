@@ -17,8 +17,8 @@ g / c: the output is then exactly the dense MLP's, whatever the activation (each
 bias is the dense one times 1 / c). Where the gates' sum varies (DeepSpeed's top-1 and
 pre-softmax keep the router probabilities, unnormalised sigmoid its scores), Megatron-Core's
 factor E * g / k is used instead, which restores the dense output on average over near-uniform
-router probabilities, not exactly. Megatron-Core scales
-both weights by a root of the factor; scaling the second alone is exact for every activation.
+router probabilities, not exactly. Megatron-Core scales both weights by a root of the factor;
+scaling the second alone is exact for every activation.
 
 Legend: E experts in the layer, H hidden, F dense ffn width, f expert width, g = F / f.
 """
@@ -49,10 +49,8 @@ def check_upcycling(moe: GPTConfig, dense: GPTConfig, source: str) -> None:
                           "MoE layers; drop --moe-use-upcycling to load it as it is")
     if not moe.is_moe:
         raise ConfigError("--moe-use-upcycling builds an MoE model, but the flags give none; add --num-experts N")
-    differing = [f"{name} {getattr(dense, name)} there, {getattr(moe, name)} here" for name in ARCHITECTURE_FIELDS
-                 if getattr(dense, name) != getattr(moe, name)]
-    if dense.position_embedding_type == "learned_absolute" and dense.max_position_embeddings != moe.max_position_embeddings:
-        differing.append(f"max_position_embeddings {dense.max_position_embeddings} there, {moe.max_position_embeddings} here")
+    learned_positions = ("max_position_embeddings",) if dense.position_embedding_type == "learned_absolute" else ()
+    differing = moe.differences(dense, ARCHITECTURE_FIELDS + learned_positions)
     if differing:
         raise ConfigError(f"the dense checkpoint {source} differs from the flags outside the MoE layers "
                           f"({'; '.join(differing)}); give the dense model's own model flags")

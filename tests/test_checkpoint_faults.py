@@ -244,7 +244,7 @@ def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(co
 
 
 def test_large_state_is_cut_into_parts_that_resume_exactly(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(save_module, "_PART_BYTES", 20_000)  # the tiny model's state is about 360 kB
+    monkeypatch.setattr(save_module, "PART_BYTES", 20_000)  # the tiny model's state is about 360 kB
     full = Trainer(tiny_config(corpus, train_iters=4, save=str(tmp_path / "full"), save_interval=2), SINGLE)
     full.train()
     folder = tmp_path / "full" / "iter_0000002"

@@ -32,12 +32,12 @@ from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_
 from megatron.checkpoint.manifest import (
     FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, tensors_record, write_manifest,
 )
-from megatron.checkpoint.tensors import save_rng_state, save_tensors
+from megatron.checkpoint.tensors import pack_by_size, save_rng_state, save_tensors
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
 
 _FILE_OVERHEAD_BYTES = 64 << 10  # safetensors headers, engine.json, manifest: generous per file
-_PART_BYTES = 256 << 20
+PART_BYTES = 256 << 20  # a rank's tensors go into files of about this size
 
 
 @dataclass
@@ -73,7 +73,7 @@ def _refuse_nonfinite(state: EngineState, final: Path) -> None:
 
 def _bytes_needed(state: EngineState) -> int:
     local = sum(t.nbytes for part in (state.model, state.optimizer) for t in part.values())
-    files = 4 + local // _PART_BYTES
+    files = 4 + local // PART_BYTES
     return sum(state.grid.gather_from_all(local + files * _FILE_OVERHEAD_BYTES))
 
 
@@ -86,16 +86,8 @@ def _refuse_full_disk(needed: int, free: int, final: Path) -> None:
 
 
 def _parts(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Entries packed into files of about _PART_BYTES each (a larger tensor gets one of its own)."""
-    parts: list[dict[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in tensors.items():
-        if not parts or size + tensor.nbytes > _PART_BYTES:
-            parts.append({})
-            size = 0
-        parts[-1][name] = tensor
-        size += tensor.nbytes
-    return parts
+    """Entries packed into files of about PART_BYTES each (a larger tensor gets one of its own)."""
+    return [dict(part) for part in pack_by_size(list(tensors.items()), lambda entry: entry[1].nbytes, PART_BYTES)]
 
 
 class _RankWriter:

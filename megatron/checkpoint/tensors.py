@@ -12,10 +12,10 @@ joins such pieces back into the whole tensor.
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,23 @@ from safetensors.torch import save_file
 
 from megatron.checkpoint.layout import rank_files
 from megatron.errors import CheckpointError
+
+
+Item = TypeVar("Item")
+
+
+def pack_by_size(items: list[Item], nbytes: Callable[[Item], int], max_bytes: int) -> list[list[Item]]:
+    """Items in their order, cut into files of at most `max_bytes` of data (a larger item gets a
+    file of its own)."""
+    files: list[list[Item]] = []
+    size = 0
+    for item in items:
+        if not files or size + nbytes(item) > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += nbytes(item)
+    return files
 
 
 def expert_ids(tensor: torch.Tensor) -> tuple[int, ...] | None:

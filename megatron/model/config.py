@@ -125,6 +125,11 @@ class GPTConfig:
                 "experts; choose one (PR-MoE mixes it in with learned coefficients, shared experts add it)"
             )
 
+    def differences(self, other: "GPTConfig", fields: tuple[str, ...]) -> list[str]:
+        """"name <other's> there, <ours> here" for each of `fields` where `other` (a checkpoint's) differs."""
+        return [f"{name} {getattr(other, name)} there, {getattr(self, name)} here" for name in fields
+                if getattr(self, name) != getattr(other, name)]
+
     @property
     def experts_per_layer(self) -> list[int]:
         """Expert count of each layer, 1 for a dense MLP layer."""

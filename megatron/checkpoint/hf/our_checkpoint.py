@@ -18,15 +18,14 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.durable import fsync_path, replace_durably, write_text_durably
-from megatron.checkpoint.hf.safetensors_io import Planned, TensorInfo, plan_files, write_file
+from megatron.checkpoint.hf.safetensors_io import Planned, TensorInfo, write_file
 from megatron.checkpoint.iterations import holds_checkpoints
 from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file, staging_folder
 from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
-from megatron.checkpoint.tensors import expert_ids, global_entries
+from megatron.checkpoint.save import PART_BYTES
+from megatron.checkpoint.tensors import expert_ids, global_entries, pack_by_size
 from megatron.errors import CheckpointError
 from megatron.model import GPTConfig, GPTModel
-
-PART_BYTES = 256 << 20  # as a training save cuts its files
 
 
 def expected_entries(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -67,7 +66,7 @@ def write_weights_checkpoint(save: Path, planned: list[Planned], produce: Callab
     staging.mkdir()
     try:
         files: dict[str, FileRecord] = {}
-        for part, entries in enumerate(plan_files(planned, PART_BYTES)):
+        for part, entries in enumerate(pack_by_size(planned, lambda entry: entry.info.nbytes, PART_BYTES)):
             name = rank_file(MODEL, 0, part)
             size, checksum = write_file(staging / name, entries, produce)
             files[name] = FileRecord(size=size, checksum=checksum)

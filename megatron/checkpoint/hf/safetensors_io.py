@@ -105,20 +105,6 @@ class Planned:
     info: TensorInfo
 
 
-def plan_files(entries: list[Planned], max_bytes: int) -> list[list[Planned]]:
-    """Entries in their order, cut into files of at most `max_bytes` of data (a larger tensor gets
-    a file of its own), as Hugging Face shards."""
-    files: list[list[Planned]] = []
-    size = 0
-    for entry in entries:
-        if not files or (files[-1] and size + entry.info.nbytes > max_bytes):
-            files.append([])
-            size = 0
-        files[-1].append(entry)
-        size += entry.info.nbytes
-    return files
-
-
 def write_file(path: Path, entries: list[Planned], produce: Callable[[str], torch.Tensor],
                metadata: dict[str, str] | None = None) -> tuple[int, str]:
     """Write `entries` (each made by `produce(name)` when its turn comes) as a safetensors file,

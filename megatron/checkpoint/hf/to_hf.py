@@ -19,10 +19,11 @@ import torch
 from megatron.checkpoint.hf.architectures import choose_spec, hf_config
 from megatron.checkpoint.hf.link_runner import LinkRunner, plan
 from megatron.checkpoint.hf.our_checkpoint import check_entries, expected_entries
-from megatron.checkpoint.hf.safetensors_io import TensorIndex, plan_files, write_file
+from megatron.checkpoint.hf.safetensors_io import TensorIndex, write_file
 from megatron.checkpoint.hf.tensor_maps import model_links
 from megatron.checkpoint.hf.tokenizer_files import export_tokenizer, first_difference
 from megatron.checkpoint.layout import MODEL, rank_files
+from megatron.checkpoint.tensors import pack_by_size
 from megatron.data.tokenizer import Tokenizer
 from megatron.errors import CheckpointError
 from megatron.inference.checkpoint_model import (
@@ -71,7 +72,7 @@ def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_b
         check_entries(index.info, expected_entries(config), str(folder),
                       "the checkpoint does not hold the model its own config describes; export another iteration")
         links = model_links(config, spec.family, spec.model_type, dtype or index.info["word_embeddings.weight"].dtype)
-        shards = plan_files(plan(links, True, index.info, dtype), max_shard_bytes)
+        shards = pack_by_size(plan(links, True, index.info, dtype), lambda entry: entry.info.nbytes, max_shard_bytes)
         total = sum(entry.info.nbytes for shard in shards for entry in shard)
         refuse_small_disk(out, total)
         staging = out.with_name(out.name + ".tmp")
