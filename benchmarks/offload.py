@@ -127,7 +127,7 @@ def build_engine(variant: Variant, layers: int, hidden: int, folder: Path) -> An
     with torch.no_grad():
         for param in engine.module.parameters():
             param.uniform_(-bound, bound, generator=generator)
-    engine.zero.copy_from_parameters()  # the master takes the values (one rank, fp32: the same memory)
+    engine.strategy.copy_from_parameters()  # the master takes the values (one rank, fp32: the same memory)
     return engine
 
 

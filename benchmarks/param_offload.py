@@ -138,14 +138,14 @@ def folder_bytes(path: str | None) -> int:
 
 def host_memory(engine: Any) -> dict[str, int]:
     """What the engine holds in host memory: the fp32 master, the gradients, the swap buffers."""
-    stores = [p.store for p in engine.partitions if isinstance(p, ParamPartition)]
-    flat = [p for p in engine.partitions if not isinstance(p, ParamPartition)]
+    stores = [p.store for p in engine.strategy.partitions if isinstance(p, ParamPartition)]
+    flat = [p for p in engine.strategy.partitions if not isinstance(p, ParamPartition)]
     master = [s.memory for s in stores] + [p.shard.detach() for p in flat]  # flat on one rank: the parameters
-    swapper, optimizer = engine.zero.swapper, engine.optimizer
+    swapper, optimizer = engine.strategy.swapper, engine.optimizer
     param_slots = [slot.buffer for slot in swapper.slots] if swapper else []
     return {
         "master_bytes": tensor_bytes(master),
-        "grad_bytes": tensor_bytes([p.shard_grad for p in engine.partitions]),
+        "grad_bytes": tensor_bytes([p.shard_grad for p in engine.strategy.partitions]),
         "optimizer_buffer_bytes": tensor_bytes([slot.buffer for slot in optimizer.slots]),
         "param_buffer_bytes": tensor_bytes(param_slots),
         "swap_buffer_bytes": tensor_bytes([slot.buffer for slot in optimizer.slots] + param_slots),
@@ -179,7 +179,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         "read_bytes_per_step": (io_after["read"] - io_before["read"]) / spec["steps"],
         "write_bytes_per_step": (io_after["write"] - io_before["write"]) / spec["steps"],
         "page_cache_growth_bytes": meminfo_bytes("Cached") - cached_before,
-        "peak_live_numel": engine.zero.gatherer.peak_live_numel if engine.zero.gatherer else 0,
+        "peak_live_numel": engine.strategy.gatherer.peak_live_numel if engine.strategy.gatherer else 0,
         "base_rss": base_rss, "build_rss": build_rss, "build_peak_rss": build_peak_rss, "warm_rss": warm_rss,
         "steps_peak_rss": proc_status_bytes("VmHWM"), "rss": proc_status_bytes("VmRSS"),
         **host_memory(engine),
@@ -187,8 +187,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what glibc keeps of freed memory is not the engine's
     record["trimmed_rss"] = proc_status_bytes("VmRSS")
     engine.optimizer.folder.remove()
-    if engine.zero.swapper and engine.zero.swapper.folder:
-        engine.zero.swapper.folder.remove()
+    if engine.strategy.swapper and engine.strategy.swapper.folder:
+        engine.strategy.swapper.folder.remove()
     return record
 
 

@@ -51,12 +51,12 @@ def measure(name: str, shape: dict, corpus: str, steps: int, rounds: int) -> dic
     data_iter = trainer.loader(trainer.train_data, 0)
     bare_model = type(trainer.engine.module)(trainer.model_config)
     bare_model.load_state_dict(trainer.engine.module.state_dict())
-    bare_optimizer = build_optimizer(bare_model, config.runtime_config(1))
+    bare_optimizer = build_optimizer(bare_model, trainer.runtime)
     fixed_batch = trainer._batch(trainer.loader(trainer.train_data, 0))
     ours_times, bare_times = [], []
     for _ in range(2):  # warm-up, not timed
         trainer.train_step(data_iter)
-        bare_loop_step(bare_model, bare_optimizer, fixed_batch, config.training.clip_grad)
+        bare_loop_step(bare_model, bare_optimizer, fixed_batch, trainer.runtime.gradient_clipping)
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(steps):
@@ -64,7 +64,7 @@ def measure(name: str, shape: dict, corpus: str, steps: int, rounds: int) -> dic
         ours_times.append((time.perf_counter() - start) / steps)
         start = time.perf_counter()
         for _ in range(steps):
-            bare_loop_step(bare_model, bare_optimizer, fixed_batch, config.training.clip_grad)
+            bare_loop_step(bare_model, bare_optimizer, fixed_batch, trainer.runtime.gradient_clipping)
         bare_times.append((time.perf_counter() - start) / steps)
     ours, bare = statistics.median(ours_times), statistics.median(bare_times)
     ratios = [o / b for o, b in zip(ours_times, bare_times)]

@@ -79,18 +79,17 @@ def rank_run(stage: int, micro_batch: int, warmup: int, steps: int) -> dict[str,
     inner_step = engine.optimizer.step
 
     def counting_step(*args: Any, **kwargs: Any) -> Any:  # the gradients alive when the optimizer reads them
-        shard_grads = [p.shard.grad for p in engine.partitions if p.shard.grad is not None]
+        shard_grads = [p.shard.grad for p in engine.strategy.partitions if p.shard.grad is not None]
         seen["grad_step_bytes"] = tensor_bytes([p.grad for p in params if p.grad is not None] + shard_grads)
         return inner_step(*args, **kwargs)
 
     engine.optimizer.step = counting_step
     gather_s = [0.0]
-    if engine.zero is not None:  # time the all-gather of updated shards back into the parameters
-        def timed_gather(inner=engine.zero.after_step) -> None:
-            start = time.perf_counter()
-            inner()
-            gather_s[0] += time.perf_counter() - start
-        engine.zero.after_step = timed_gather
+    def timed_gather(inner=engine.strategy.after_step) -> None:  # the all-gather of updated shards
+        start = time.perf_counter()
+        inner()
+        gather_s[0] += time.perf_counter() - start
+    engine.strategy.after_step = timed_gather
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     step_s, phases_s = [], []  # phases: forward+backward, engine.step, of it all-gather
     for index in range(warmup + steps):
@@ -106,8 +105,8 @@ def rank_run(stage: int, micro_batch: int, warmup: int, steps: int) -> dict[str,
             step_s.append(time.perf_counter() - start)
             phases_s.append([backward_done - start, time.perf_counter() - backward_done, gather_s[0]])
     state = [t for s in engine.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    gatherer = engine.zero.gatherer if engine.zero is not None else None
-    memory = {"param_bytes": tensor_bytes(params), "master_bytes": tensor_bytes([p.shard for p in engine.partitions]),
+    gatherer = getattr(engine.strategy, "gatherer", None)
+    memory = {"param_bytes": tensor_bytes(params), "master_bytes": tensor_bytes([p.shard for p in engine.strategy.partitions]),
               "gathered_peak_bytes": 4 * gatherer.peak_live_numel if gatherer is not None else 0,
               "optim_bytes": tensor_bytes(state), "peak_rss_delta": proc_status_bytes("VmHWM") - base_rss, **seen}
     return {"step_s": torch.tensor(step_s, dtype=torch.float64), "phases_s": torch.tensor(phases_s, dtype=torch.float64),

@@ -68,9 +68,8 @@ def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tenso
 def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     """The settings that decide a run's memory and speed, for the log's first line."""
     zero = runtime.zero_optimization
-    precision = "fp16" if runtime.fp16.enabled else "bf16" if runtime.bf16.enabled else "fp32"
     return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
-            f"ZeRO stage {zero.stage} | precision {precision} | optimizer {runtime.optimizer.type} | "
+            f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
             f"optimizer offload {zero.offload_optimizer.device} | parameter offload {zero.offload_param.device} | "
             f"global batch {runtime.train_batch_size} = micro batch {runtime.train_micro_batch_size_per_gpu} x "
             f"accumulation {runtime.gradient_accumulation_steps} x data-parallel {grid.dp_size}")
@@ -81,7 +80,7 @@ class Trainer:
         self.config = config
         self.grid = grid
         self.log = TrainingLogger(config.logging.tensorboard_dir, enabled=grid.is_first_rank)
-        runtime = config.runtime_config(grid.dp_size)
+        self.runtime = runtime = config.runtime_config(grid.dp_size)
         self.log.info(run_summary(runtime, grid))
         set_seed(config.training.seed)
         data = config.data
@@ -107,7 +106,7 @@ class Trainer:
         self.teacher = self._setup_teacher(model, self.resume_from is None)
         optimizer = build_optimizer(model, runtime, rank=grid.rank)
         scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
-            optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
+            optimizer, max_lr=runtime.optimizer.params.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
             decay_steps=t.lr_decay_tokens, decay_style=t.lr_decay_style, increment=t.tokens_per_iteration,
         )
         n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
@@ -177,7 +176,7 @@ class Trainer:
             self.log.info(init_student_from_teacher(model, folder, saved))
         if not d.kd_active(start):
             return None
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.training.precision)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.runtime.precision)
         teacher = load_teacher(folder, saved, self.grid, dtype)
         until = f"until iteration {d.stop_iteration}" if d.stop_iteration is not None else "for the whole run"
         self.log.info(f" > teacher {folder}: {sum(p.numel() for p in teacher.parameters()):,} parameters on this rank, "
@@ -293,7 +292,7 @@ class Trainer:
         --no-check-for-nan-in-loss-and-grad); any run stops when too many steps in a row were skipped."""
         t, engine = self.config.training, self.engine
         last_saved = f"iteration {self.saved_iteration}" if self.saved_iteration is not None else "none"
-        if engine.last_nonfinite is not None and t.check_for_nan and t.precision != "fp16":
+        if engine.last_nonfinite is not None and t.check_for_nan and self.runtime.precision != "fp16":
             raise TrainingStopped(
                 f"iteration {self.iteration}: {engine.last_nonfinite.describe()}, so the run stopped without saving "
                 f"(last checkpoint: {last_saved}); resume from it with a lower --lr or check the data, or pass "
@@ -354,7 +353,7 @@ class Trainer:
                     "global_batch_size": t.global_batch_size,
                     "lm_loss": lm, "moe_loss": moe if self.model_config.is_moe else None,
                     "kd_loss": kd if kd_in_interval else None,
-                    "loss_scale": self.engine.loss_scaler.scale if t.precision == "fp16" else None,
+                    "loss_scale": self.engine.loss_scaler.scale if self.runtime.precision == "fp16" else None,
                     "grad_norm": self.engine.last_grad_norm,
                     "skipped": self.engine.skipped_steps - interval_skipped,
                     "skipped_total": self.engine.skipped_steps,

@@ -95,7 +95,7 @@ def test_json_fills_the_flags_it_sets_so_they_are_not_required(tmp_path):
     argv = " ".join(BASE).replace("--micro-batch-size 2 ", "").replace("--lr 3e-4 ", "").split()
     config = parse_args(with_json(tmp_path, {"train_micro_batch_size_per_gpu": 4,
                                              "optimizer": {"params": {"lr": 2e-4}}}, argv))
-    assert config.training.micro_batch_size == 4 and config.training.lr == 2e-4
+    assert config.training.micro_batch_size == 4 and config.runtime_config(1).optimizer.params.lr == 2e-4
     with pytest.raises(ConfigError, match="--lr is required; give it, or optimizer.params.lr in --deepspeed_config"):
         parse_args(argv + ["--micro-batch-size", "2"])
     with pytest.raises(ConfigError, match="--micro-batch-size is required"):

@@ -27,8 +27,9 @@ def test_json_fills_the_flags_left_at_their_defaults(tmp_path):
         "train_batch_size": 8, "gradient_clipping": 0.5, "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
     }))
-    t = config.training
-    assert (t.global_batch_size, t.clip_grad, t.precision, t.adam_beta2, t.weight_decay) == (8, 0.5, "bf16", 0.95, 0.1)
+    r = config.runtime_config(2)
+    assert (config.training.global_batch_size, r.gradient_clipping, r.precision) == (8, 0.5, "bf16")
+    assert (r.optimizer.params.betas[1], r.optimizer.params.weight_decay) == (0.95, 0.1)
     runtime = with_data_parallel_size(config, 2).runtime_config(2)
     assert runtime.gradient_accumulation_steps == 2 and runtime.gradient_clipping == 0.5
 

@@ -202,7 +202,7 @@ def test_megatron_deepspeed_template_through_the_pretrain_flags(tmp_path):
     flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --lr 3e-4 --train-iters 10 "
              f"--data-path corpus --num-experts 4 --deepspeed --deepspeed_config {path}").split()
     config = parse_args(flags)
-    assert (config.training.global_batch_size, config.training.micro_batch_size, config.training.precision) == (16, 2, "bf16")
+    assert (config.training.global_batch_size, config.training.micro_batch_size, config.runtime_config(2).precision) == (16, 2, "bf16")
     runtime = with_data_parallel_size(config, 2).runtime_config(2)
     assert (runtime.zero_optimization.stage, runtime.gradient_accumulation_steps) == (2, 4)
 

@@ -189,7 +189,7 @@ def test_swap_folder_is_per_run_and_removed(tmp_path):
     assert not any(fast.optimizer.folder.path.glob("*.swp"))
     # an engine's swap files go when the engine does, the parameters' too
     swapping = swapping_engine(tmp_path)
-    folders = [fast.optimizer.folder.path, swapping.optimizer.folder.path, swapping.zero.swapper.folder.path]
+    folders = [fast.optimizer.folder.path, swapping.optimizer.folder.path, swapping.strategy.swapper.folder.path]
     assert all(f.exists() for f in folders) and any(folders[2].glob("params*.swp"))
     del fast, swapping
     gc.collect()
@@ -236,17 +236,17 @@ def test_one_process_swaps_parameters_reads_them_ahead_and_holds_none_between_us
     reference = make_engine(grid, True, 3, "memory", str(tmp_path))
     train(reference, 0, STEPS)
     engine = swapping_engine(tmp_path, buffer_count=2)
-    parts = engine.partitions
+    parts = engine.strategy.partitions
     assert parts and all(p.store.swapped and p.store.memory.numel() == 0 for p in parts)
     assert all(p.shard.untyped_storage().nbytes() == 4 for p in parts)  # the optimizer's stand-in
     in_use: list[int] = []
-    claim = type(engine.zero.swapper).claim
+    claim = type(engine.strategy.swapper).claim
 
     def counting_claim(swapper):
         slot = claim(swapper)
         in_use.append(len(swapper.slots) - len(swapper.free))
         return slot
-    monkeypatch.setattr(type(engine.zero.swapper), "claim", counting_claim)
+    monkeypatch.setattr(type(engine.strategy.swapper), "claim", counting_claim)
     train(engine, 0, STEPS)
     assert max(in_use) == 2  # reads ahead of use, never more than buffer_count at once
     assert all(p.numel() == 0 for p in engine.module.parameters())  # nothing gathered between steps
@@ -272,7 +272,7 @@ def test_parameter_offload_errors_are_clear(tmp_path, monkeypatch):
 
 def test_a_failed_parameter_swap_stops_training_with_a_clear_error(tmp_path):
     engine = swapping_engine(tmp_path)
-    for path in engine.zero.swapper.folder.path.glob("params*.swp"):
+    for path in engine.strategy.swapper.folder.path.glob("params*.swp"):
         path.unlink()
     with pytest.raises(SwapError, match="swapping parameter partitions failed .* the last checkpoint is intact"):
         engine(torch.randn(2, 3, H))

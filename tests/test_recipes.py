@@ -56,7 +56,8 @@ def test_paper_recipes_carry_the_published_settings(recipe, tmp_path):
     assert [c for c in m.experts_per_layer if c > 1] == [c for c in experts if c > 1]
     assert m.mlp_type == ("residual" if "PR-MoE" in recipe else "standard") and m.moe.topk == 1
     assert (m.moe.train_capacity_factor, m.moe.min_capacity, m.moe.aux_loss_coeff) == (1.0, 4, 0.01)
-    assert (t.adam_beta1, t.adam_beta2, t.weight_decay, t.clip_grad, t.precision) == (0.9, 0.95, 0.1, 1.0, "fp16")
+    r = config.runtime_config(world)
+    assert (r.optimizer.params.betas, r.optimizer.params.weight_decay, r.gradient_clipping, r.precision) == ((0.9, 0.95), 0.1, 1.0, "fp16")
     assert (t.global_batch_size, t.lr_warmup_tokens, t.lr_decay_tokens) == (batch, 375_000_000, 300_000_000_000)
     assert t.train_iters == math.ceil(300e9 / (batch * 2048)) and t.lr_decay_style == "cosine"
     assert ds["train_batch_size"] == batch and ds["fp16"]["enabled"] is True and ds["bf16"]["enabled"] is False
@@ -82,7 +83,7 @@ def test_mos_recipes_distil_from_their_pr_moe_teacher_with_staged_kd(tmp_path):
 @pytest.mark.parametrize("recipe", TINY)
 def test_tiny_cpu_recipes_run_on_one_process_with_the_demo_data(recipe, tmp_path):
     world, config, ds = printed_run(recipe, tmp_path)
-    assert world == 1 and config.training.precision == "fp32" and ds["zero_optimization"]["stage"] == 0
+    assert world == 1 and config.runtime_config(1).precision == "fp32" and ds["zero_optimization"]["stage"] == 0
     assert config.data.tokenizer_type == "SentencePieceTokenizer" and config.data.data_path[0].endswith("corpus_text_document")
     assert config.model.is_moe == ("dense" not in recipe) and (config.distill is not None) == ("MoS" in recipe)
     with_data_parallel_size(config, world)
@@ -110,14 +111,15 @@ def test_every_recipe_sources_the_one_settings_file():
 def test_offload_setting_writes_the_offload_blocks_the_runtime_accepts(tmp_path):
     _, config, ds = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path, OFFLOAD="nvme", ZERO_STAGE="3")
     zero = config.runtime_config(1).zero_optimization
-    assert ds["zero_optimization"]["stage"] == config.training.zero_stage == zero.stage == 3
+    assert ds["zero_optimization"]["stage"] == config.flags["zero_stage"] == zero.stage == 3
     assert zero.offload_optimizer.device == zero.offload_param.device == "nvme" and zero.offload_param.max_in_cpu == 0
     assert zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path == str(tmp_path / "out" / "swap")
     _, config, _ = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path, OFFLOAD="cpu", ZERO_STAGE="2")
     zero = config.runtime_config(1).zero_optimization
     assert (zero.stage, zero.offload_optimizer.device, zero.offload_param.device) == (2, "cpu", "none")
     _, config, _ = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path)  # tiny recipes: no ZeRO unless asked
-    assert config.training.zero_stage == 0 and config.runtime_config(1).zero_optimization.offload_optimizer.device == "none"
+    zero = config.runtime_config(1).zero_optimization
+    assert zero.stage == 0 and zero.offload_optimizer.device == "none"
     done = subprocess.run(["bash", str(RECIPES / "ds_pretrain_gpt_tiny_MoE_cpu.sh")], capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1", "PYTHON": "echo", "OUTPUT_DIR": str(tmp_path / "out"),
                                "DEMO_DIR": str(tmp_path / "demo"), "OFFLOAD": "disk"}, timeout=60)

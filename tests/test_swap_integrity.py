@@ -67,7 +67,7 @@ SWAPPED = {"moments": ("p0_s0.swp", "optimizer state"), "master": ("params0.swp"
 def test_damaged_swap_file_stops_training_naming_the_file(tmp_path, kind, how):
     engine = swapping_engine(tmp_path)
     name, what = SWAPPED[kind]
-    path = (engine.optimizer.folder if kind == "moments" else engine.zero.swapper.folder).path / name
+    path = (engine.optimizer.folder if kind == "moments" else engine.strategy.swapper.folder).path / name
     train(engine, 0, 1)
     older = path.read_bytes()
     train(engine, 1, 2)
@@ -195,7 +195,7 @@ from pathlib import Path
 from tests.test_offload import swapping_engine, train
 engine = swapping_engine(Path(sys.argv[1]))
 train(engine, 0, 1)
-folders = [engine.optimizer.folder.path, engine.zero.swapper.folder.path]
+folders = [engine.optimizer.folder.path, engine.strategy.swapper.folder.path]
 assert all(any(f.glob("*.swp")) for f in folders)
 print(*folders, sep="\\n", flush=True)
 raise {exit}

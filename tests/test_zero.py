@@ -95,7 +95,7 @@ def state_numel(engine: Engine) -> int:
 def held_parameter_numel(engine: Engine) -> int:
     """fp32 parameter elements a rank holds between steps, each storage once: the model's tensors
     (empty while partitioned, views of one buffer under ZeRO) and the master shards."""
-    tensors = [*engine.module.parameters(), *(p.shard for p in engine.partitions)]
+    tensors = [*engine.module.parameters(), *(p.shard for p in engine.strategy.partitions)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) // 4
 
@@ -112,7 +112,7 @@ def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": prefetch}
     engine = initialize(model, {"train_batch_size": 4, "zero_optimization": zero}, grid)
-    part = engine.partitions[0]
+    part = engine.strategy.partitions[0]
     attach, gathered = part._attach, []
 
     def recording_attach(bucket: Any, full: torch.Tensor) -> None:
@@ -128,7 +128,7 @@ def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
         alive = len(in_use)  # a pooled buffer may have served several gathers
         engine.backward(loss)
         engine.step()
-    return engine.zero.gatherer.peak_live_numel, alive
+    return engine.strategy.gatherer.peak_live_numel, alive
 
 
 def _two_ranks(save: str) -> dict[str, torch.Tensor]:

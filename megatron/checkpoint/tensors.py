@@ -143,8 +143,8 @@ def load_model_entries(module: torch.nn.Module, reader: ShardedReader) -> None:
 
 def optimizer_entries(
     optimizer: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str], owns_dense: bool, owns_experts: bool
-) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Optimizer state as global entries `state_key/param_name[...]`, and the group settings."""
+) -> dict[str, torch.Tensor]:
+    """Optimizer state as global entries `state_key/param_name[...]`."""
     entries: dict[str, torch.Tensor] = {}
     for param, state in optimizer.state.items():
         ids = expert_ids(param)
@@ -154,7 +154,7 @@ def optimizer_entries(
             if not torch.is_tensor(value):
                 raise CheckpointError(f"optimizer state {key!r} is not a tensor; this optimizer cannot be checkpointed")
             entries.update(global_entries(f"{key}/{names[param]}", value, ids))
-    return entries, optimizer_groups(optimizer)
+    return entries
 
 
 def _plain(value: Any) -> Any:

@@ -106,7 +106,7 @@ def gpt_step(trainer: Trainer) -> Step:
             # fp16 overflow is routine while the loss scale settles; a long run of them, or any
             # non-finite step in bf16/fp32, means the lr is past divergence
             limit = t.max_consecutive_skipped_iterations
-            settling = t.precision == "fp16" and (limit == 0 or engine.consecutive_skipped_steps < limit)
+            settling = trainer.runtime.precision == "fp16" and (limit == 0 or engine.consecutive_skipped_steps < limit)
             return None if settling else (lr, float("nan"))
         return lr, lm_loss
 

@@ -47,29 +47,19 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
+    """What the training loop and the data need. The engine's settings (optimizer, precision, loss
+    scale, clipping, ZeRO) have one home, `PretrainConfig.runtime_config`: the flags reach it
+    through deepspeed_json.FLAG_KEYS, the one table between flags and DeepSpeed's JSON keys."""
     seq_length: int
-    micro_batch_size: int
+    micro_batch_size: int  # the data's batch shapes; the runtime config checks them against its own
     global_batch_size: int
     train_iters: int
-    lr: float
-    min_lr: float
+    min_lr: float  # Megatron's annealing (the peak is the optimizer's lr)
     lr_decay_style: str
     lr_warmup_tokens: int  # the LR schedule counts tokens; iteration and sample flags convert
     lr_decay_tokens: int
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    clip_grad: float
-    precision: str  # "fp32", "bf16" or "fp16"
-    loss_scale: float | None
-    initial_loss_scale: float
-    min_loss_scale: float
-    loss_scale_window: int
-    hysteresis: int
     seed: int
     expert_parallel_size: int
-    zero_stage: int
     check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
     max_consecutive_skipped_iterations: int  # 0: no limit
     # the --deepspeed_config JSON as written; the flags' values are laid over it (deepspeed_json.py)
@@ -433,16 +423,10 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     )
     training = TrainingConfig(
         seq_length=seq, micro_batch_size=args.micro_batch_size, global_batch_size=gbs, train_iters=train_iters,
-        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
-        lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq),
-        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, seed=args.seed,
-        expert_parallel_size=args.moe_expert_parallel_size, zero_stage=args.zero_stage,
-        check_for_nan=args.check_for_nan_in_loss_and_grad,
+        lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq), seed=args.seed,
+        expert_parallel_size=args.moe_expert_parallel_size, check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_json=args.deepspeed_json,
     )

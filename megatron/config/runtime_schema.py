@@ -198,6 +198,11 @@ class RuntimeConfig(TopLevelKeys):
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     aio: AioConfig = AioConfig()
 
+    @property
+    def precision(self) -> str:
+        """"fp16", "bf16" or "fp32": the dtype the forward runs in."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
 
 def _key_names(section: type[BaseModel]) -> dict[str, str]:
     """Every key a section accepts (field names and DeepSpeed's other spellings) -> its field."""

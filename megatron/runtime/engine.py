@@ -4,13 +4,15 @@ the optimizer step and the LR schedule, for any torch.nn.Module.
 Gradients are accumulated unscaled by the number of micro-batches; at the boundary one pass
 folds the data-parallel average, the accumulation average, the loss-scale removal and the
 clipping coefficient into a single multiply, so the step costs what a bare loop's step costs.
-With ZeRO the optimizer updates this rank's flat fp32 shards (megatron/runtime/zero/) and the
-updated shards are gathered back into the model's parameters (stage 3: when next used).
+Everything that depends on the ZeRO stage goes through one strategy object (megatron/runtime/
+strategy.py): replicated at stage 0; at stages 1-3 the optimizer updates this rank's flat fp32
+shards (megatron/runtime/zero/) and the updated shards are gathered back into the model's
+parameters (stage 3: when next used).
 """
 
 import math
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
+from megatron.runtime.strategy import build_strategy
 from megatron.config.deepspeed_keys import no_effect_notes
 from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
@@ -34,11 +37,9 @@ from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.tensors import (
-    ShardedReader, expert_ids, load_model_entries, load_optimizer_entries, load_rng_state, model_entries, optimizer_entries,
-    optimizer_groups, save_tensors,
+    ShardedReader, expert_ids, load_model_entries, load_rng_state, model_entries, optimizer_groups, save_tensors,
 )
 from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
-from megatron.runtime.zero import ZeroRuntime, load_partition_state, partition_state_entries
 
 
 def build_optimizer(
@@ -187,10 +188,6 @@ class Engine:
         self.grad_predivisor, self.grad_postdivisor = gradient_averaging(config, parallel.dp_size)
         self.gradient_accumulation_steps = config.gradient_accumulation_steps or 1
         self.autocast_dtype = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.dense_params = [p for p in params if expert_ids(p) is None]
-        self.expert_params = [p for p in params if expert_ids(p) is not None]
-        self.param_names = {p: n for n, p in self.module.named_parameters()}
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -207,15 +204,9 @@ class Engine:
             for line in no_effect_notes(config):
                 print(line, flush=True)
         self._broadcast_parameters()
-        self.zero_stage = config.zero_optimization.stage
-        # from here on the optimizer's groups hold this rank's shards, not the model's parameters
-        self.zero = ZeroRuntime(
-            self.module, self.optimizer, config.zero_optimization, parallel.dp_group, parallel.expert_dp_group,
-            config.aio, parallel.rank,
-        ) if self.zero_stage else None
-        self.partitions = self.zero.partitions if self.zero is not None else []
+        self.strategy = build_strategy(self.module, self.optimizer, config, parallel)
         if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
-            self.optimizer.prepare(self.zero.swapped_stores())
+            self.optimizer.prepare(self.strategy.swapped_stores())
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the
@@ -226,10 +217,10 @@ class Engine:
             if is_parallel(group):
                 dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
 
-    def whole_parameters(self) -> Any:
+    def whole_parameters(self) -> AbstractContextManager[Any]:
         """A context in which every parameter of the model holds its values (ZeRO-3 frees them
         between uses): for saving, loading or inspecting weights outside forward."""
-        return self.zero.full_parameters() if self.zero is not None else nullcontext()
+        return self.strategy.full_parameters()
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -238,7 +229,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.monitor.start("forward")
-        with self.autocast(), self.zero.forward_context() if self.zero is not None else nullcontext():
+        with self.autocast(), self.strategy.forward_context():
             output = self.module(*args, **kwargs)
         self.monitor.stop("forward")
         return output
@@ -250,11 +241,9 @@ class Engine:
         self._loss_nonfinite |= ~torch.isfinite(loss.detach()).all()
         self.monitor.start("backward")
         scale = self.loss_scaler.scale / self.grad_predivisor
-        if self.zero is not None:
-            self.zero.before_backward(self.is_gradient_accumulation_boundary())
+        self.strategy.before_backward(self.is_gradient_accumulation_boundary())
         (loss * scale if scale != 1.0 else loss).backward()
-        if self.zero is not None:
-            self.zero.after_backward()
+        self.strategy.after_backward()
         self.monitor.stop("backward")
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -262,19 +251,6 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
-
-    @staticmethod
-    def _sum_over(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-        """Sum gradients over a group, one flat buffer per dtype."""
-        if not is_parallel(group) or not grads:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        for same_dtype in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same_dtype])
-            dist.all_reduce(flat, group=group)
-            torch._foreach_copy_(same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)])
 
     def _global_sq_norm(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> tuple[float, bool]:
         """Squared norm of all gradients of the model, and whether this rank's own share of them
@@ -289,9 +265,7 @@ class Engine:
         grid = self.parallel
         dense_sq, expert_sq = sq_norm(dense_grads), sq_norm(expert_grads)
         local_nonfinite = ~torch.isfinite(dense_sq + expert_sq)
-        if self.partitions:
-            all_reduce(dense_sq, grid.dp_group)
-            all_reduce(expert_sq, grid.expert_dp_group)
+        self.strategy.sum_square_norms(dense_sq, expert_sq)
         all_reduce(expert_sq, grid.ep_group)
         return float(dense_sq + expert_sq), bool(local_nonfinite)
 
@@ -310,22 +284,6 @@ class Engine:
             grad_ranks = list(range(world))
         return NonFiniteStep(loss_ranks, grad_ranks) if loss_ranks or grad_ranks else None
 
-    def _reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sum gradients over their data-parallel groups; return the (dense, expert) gradients
-        the optimizer will read: the model's, or under ZeRO this rank's shards'."""
-        if self.zero is not None:
-            return self.zero.reduce_gradients()
-        for param in (*self.dense_params, *self.expert_params):
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        dense_grads = [p.grad for p in self.dense_params]
-        expert_grads = [p.grad for p in self.expert_params]
-        self._sum_over(dense_grads, self.parallel.dp_group)
-        # an expert's gradient already holds its expert-parallel group's tokens; summing over its
-        # copies and dividing by the full data-parallel size makes EP=N equal EP=1
-        self._sum_over(expert_grads, self.parallel.expert_dp_group)
-        return dense_grads, expert_grads
-
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary reduce, clip and update."""
         boundary = self.is_gradient_accumulation_boundary()
@@ -333,7 +291,7 @@ class Engine:
         if not boundary:
             return
         self.monitor.start("step")
-        dense_grads, expert_grads = self._reduce_gradients()
+        dense_grads, expert_grads = self.strategy.reduce_gradients()
         grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.grad_postdivisor
         sq_norm, grads_nonfinite = self._global_sq_norm(dense_grads, expert_grads)
@@ -354,14 +312,12 @@ class Engine:
             torch._foreach_mul_(grads, coeff)
             self.consecutive_skipped_steps = 0
             self.optimizer.step()
-            if self.zero is not None:
-                self.zero.after_step()
+            self.strategy.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(self.last_step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.zero is not None:  # the model's gradients are views of flat buffers: zero, keep
-            self.zero.zero_gradients()
+        self.strategy.zero_gradients()
         self.global_steps += 1
         self.monitor.stop("step")
         self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
@@ -377,10 +333,7 @@ class Engine:
         owns = {"owns_dense": grid.is_first_rank, "owns_experts": grid.expert_dp_rank == 0}
         with self.whole_parameters():
             model = model_entries(self.module, **owns)
-        if self.partitions:  # every rank owns a slice of the optimizer state
-            optim, optim_groups = partition_state_entries(self.optimizer, self.partitions), optimizer_groups(self.optimizer)
-        else:
-            optim, optim_groups = optimizer_entries(self.optimizer, self.param_names, **owns)
+        optim, optim_groups = self.strategy.optimizer_state(**owns), optimizer_groups(self.optimizer)
         meta = {
             "global_steps": self.global_steps, "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps, "optimizer_groups": optim_groups,
@@ -388,7 +341,7 @@ class Engine:
             "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
             "dp_size": grid.dp_size, "ep_size": grid.ep_size,
         } if grid.is_first_rank else None
-        return EngineState(model, optim, meta, grid, self.zero_stage, self.precision)
+        return EngineState(model, optim, meta, grid, self.strategy.stage, self.precision)
 
     def save_checkpoint(
         self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None, run: RunRecord | None = None,
@@ -406,7 +359,7 @@ class Engine:
             raise ConfigError(f"save_16bit_model writes safetensors (nothing here is pickled); name the file "
                               f"{Path(save_filename).stem}.safetensors instead of {save_filename}")
         grid, path = self.parallel, Path(save_dir) / save_filename
-        if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if self.strategy.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             if grid.is_first_rank:
                 print(f" > did not save {path}: ZeRO-3 holds partitions and "
                       "zero_optimization.stage3_gather_16bit_weights_on_model_save is false", flush=True)
@@ -452,8 +405,7 @@ class Engine:
     def _restore(self, folder: Path, meta: dict[str, Any], load_optimizer: bool, load_rng: bool) -> None:
         with self.whole_parameters():
             load_model_entries(self.module, ShardedReader(folder, MODEL))
-            if self.zero is not None:
-                self.zero.copy_from_parameters()
+            self.strategy.copy_from_parameters()
         if load_optimizer and meta.get("weights_only"):  # e.g. imported from Hugging Face
             load_optimizer = False
             if self.parallel.is_first_rank:
@@ -462,10 +414,7 @@ class Engine:
         if load_optimizer:
             reader = ShardedReader(folder, OPTIMIZER)
             given = optimizer_groups(self.optimizer)
-            if self.partitions:
-                load_partition_state(self.optimizer, self.partitions, reader, meta["optimizer_groups"])
-            else:
-                load_optimizer_entries(self.optimizer, self.param_names, reader, meta["optimizer_groups"])
+            self.strategy.load_optimizer_state(reader, meta["optimizer_groups"])
             if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:
                 # the schedule steps once per optimizer step that was not skipped
                 steps_taken = meta["global_steps"] - meta["skipped_steps"]

@@ -16,7 +16,8 @@ save such a view as (bucket, shape, strides, offset) instead, and gathers the bu
 rebuild it when backward needs it, as DeepSpeed's stage-3 linear saves the parameter, not its data.
 With NVMe parameter offload a swapped chunk is read through one of `offload_param.buffer_count`
 buffers before it is gathered: a prefetch waits for a free buffer, and a gather that needs one now
-finishes the oldest gather in flight to get it.
+finishes the oldest gather in flight to get it. The buckets' residency and the gatherer's phase
+are the state machines of megatron/runtime/zero/residency.py.
 """
 
 from collections.abc import Iterator
@@ -31,8 +32,7 @@ from torch.utils import _pytree as pytree
 from megatron.config.runtime_schema import ZeroConfig
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 from megatron.runtime.zero.param_partition import ParamPartition
-
-FREE, GATHERING, LIVE = range(3)
+from megatron.runtime.zero.residency import BucketEvent, GathererPhase, Residency, ResidencyLedger, StepEvent
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +56,6 @@ class _Unit:
     part: ParamPartition
     bucket: Bucket
     persistent: bool
-    state: int = FREE
     pending: Any = None
     owner: _Frame | None = None
 
@@ -99,17 +98,16 @@ class ParameterGatherer:
         self.max_live_numel = config.stage3_max_live_parameters
         self.units: list[_Unit] = []
         self.unit_of: dict[nn.Parameter, _Unit] = {}
+        self.ledger = ResidencyLedger()
         for part in partitions:
             for bucket in part.buckets:
                 unit = _Unit(part, bucket, persistent=bucket.numel <= config.stage3_param_persistence_threshold)
                 self.units.append(unit)
+                self.ledger.add(unit, unit.numel)
                 self.unit_of.update({part.params[i]: unit for i in bucket.params})
-        self.live_numel = self.inflight_numel = self.peak_live_numel = 0
-        self.gathering: list[_Unit] = []  # started and not finished, oldest first
         self.unit_of_storage: dict[int, _Unit] = {}  # live buckets by their buffer's address
-        self.in_backward = False
+        self.phase = GathererPhase()
         self.frames: list[_Frame] = []
-        self.recording = True
         self.trace: list[_Unit] = []
         self.positions: dict[int, list[int]] = {}
         self.cursor = 0
@@ -130,7 +128,7 @@ class ParameterGatherer:
             frame = self.frames[-1]
             if unit not in frame.used:
                 frame.used.append(unit)
-            if not self.in_backward and not unit.persistent and unit.owner is None:
+            if not self.phase.in_backward and not unit.persistent and unit.owner is None:
                 unit.owner = frame
                 frame.claimed.append(unit)
 
@@ -139,40 +137,42 @@ class ParameterGatherer:
         self._gather_now(unit)
         self._follow_trace(unit)
 
+    def state(self, unit: _Unit) -> Residency:
+        return self.ledger.state[unit]
+
+    @property
+    def peak_live_numel(self) -> int:
+        return self.ledger.peak_live_numel
+
     def _gather_now(self, unit: _Unit) -> None:
-        if unit.state == FREE:
+        if self.state(unit) is Residency.FREE:
             self._start(unit, async_op=False)
-        if unit.state == GATHERING:
+        if self.state(unit) is Residency.GATHERING:
             self._finish(unit)
 
     def _start(self, unit: _Unit, async_op: bool) -> None:
         while not unit.part.ready_to_gather(unit.bucket):
-            self._finish(self.gathering[0])
+            self._finish(self.ledger.gathering[0])
         unit.pending = unit.part.gather_bucket(unit.bucket, async_op)
-        self.gathering.append(unit)
-        unit.state = GATHERING
-        self.live_numel += unit.numel
-        self.inflight_numel += unit.numel
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        self.ledger.record(unit, BucketEvent.GATHER_STARTED)
 
     def _finish(self, unit: _Unit) -> None:
         work, attach = unit.pending
         if work is not None:
             work.wait()
         attach()
-        self.gathering.remove(unit)
-        unit.pending, unit.state = None, LIVE
+        unit.pending = None
+        self.ledger.record(unit, BucketEvent.GATHER_FINISHED)
         self.unit_of_storage[self._storage(unit)] = unit
-        self.inflight_numel -= unit.numel
 
     def _release(self, unit: _Unit) -> None:
-        if unit.state == GATHERING:  # a collective must complete before its buffer goes
+        if self.state(unit) is Residency.GATHERING:  # a collective must complete before its buffer goes
             self._finish(unit)
-        if unit.state == LIVE:
+        if self.state(unit) is Residency.LIVE:
             del self.unit_of_storage[self._storage(unit)]
             unit.part.release_bucket(unit.bucket)
-            self.live_numel -= unit.numel
-        unit.state, unit.owner = FREE, None
+            self.ledger.record(unit, BucketEvent.RELEASED)
+        unit.owner = None
 
     @staticmethod
     def _storage(unit: _Unit) -> int:
@@ -199,7 +199,7 @@ class ParameterGatherer:
 
     def _follow_trace(self, unit: _Unit) -> None:
         """Record the order of use in the first step; later, start gathering what comes next."""
-        if self.recording:
+        if self.phase.recording:
             self.trace.append(unit)
             return
         positions = self.positions.get(id(unit))
@@ -207,12 +207,13 @@ class ParameterGatherer:
             return
         here = next((p for p in positions if p >= self.cursor), positions[0])
         self.cursor = here + 1
+        ledger = self.ledger
         for upcoming in self.trace[here + 1:]:
-            if self.inflight_numel >= self.prefetch_numel:
+            if ledger.inflight_numel >= self.prefetch_numel:
                 break
-            if upcoming.state != FREE:
+            if self.state(upcoming) is not Residency.FREE:
                 continue
-            if self.live_numel + upcoming.numel > self.max_live_numel or not upcoming.part.ready_to_gather(upcoming.bucket):
+            if ledger.live_numel + upcoming.numel > self.max_live_numel or not upcoming.part.ready_to_gather(upcoming.bucket):
                 break
             self._start(upcoming, async_op=True)
 
@@ -221,7 +222,7 @@ class ParameterGatherer:
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> Any:
         frame = self.frames.pop()
-        if not self.in_backward:
+        if not self.phase.in_backward:
             for unit in frame.claimed:
                 if unit.owner is frame:
                     self._release(unit)
@@ -249,12 +250,13 @@ class ParameterGatherer:
             if not unit.persistent:
                 self._release(unit)
 
+    def before_backward(self) -> None:
+        self.phase.record(StepEvent.BACKWARD_STARTED)
+
     def after_backward(self) -> None:
         """Free what backward left gathered; the first backward ends the recorded trace."""
-        self.in_backward = False
         self._release_all()
-        if self.recording:
-            self.recording = False
+        if self.phase.record(StepEvent.BACKWARD_FINISHED):
             for position, unit in enumerate(self.trace):
                 self.positions.setdefault(id(unit), []).append(position)
         self.cursor = 0

@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.runtime_schema import AioConfig, ZeroConfig
-from megatron.checkpoint.tensors import expert_ids
+from megatron.checkpoint.tensors import ShardedReader, expert_ids
+from megatron.parallel import all_reduce
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
+from megatron.runtime.zero.checkpoint import load_partition_state, partition_state_entries
 from megatron.runtime.zero.gatherer import ParameterGatherer
 from megatron.runtime.zero.layout import PartitionLayout, buckets_by_size
 from megatron.runtime.zero.param_partition import ParamPartition
@@ -50,6 +52,8 @@ class ZeroRuntime:
         at the shards instead. The optimizer object and its groups stay the same (an LR schedule
         already holds them); each group now holds one shard per class."""
         self.stage = config.stage
+        self.optimizer = optimizer
+        self.dense_group, self.expert_group = dense_group, expert_group
         offload_param = config.offload_param
         self.swapper = ParamSwapper(offload_param, aio, rank) if self.stage == 3 and offload_param.device == "nvme" else None
         names = {p: n for n, p in module.named_parameters()}
@@ -98,7 +102,7 @@ class ZeroRuntime:
         if self.flat_reducer is not None:
             self.flat_reducer.armed = boundary or self.stage >= 2
         if self.gatherer is not None:
-            self.gatherer.in_backward = True
+            self.gatherer.before_backward()
 
     def after_backward(self) -> None:
         if self.flat_reducer is not None and self.stage >= 2:
@@ -144,3 +148,15 @@ class ZeroRuntime:
         """Take the master shards from the model's (whole) parameters, after a load."""
         for part in self.partitions:
             part.copy_from_parameters()
+
+    def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
+        """Each rank's shards are disjoint parts of the gradients: sum over the partitioning groups."""
+        all_reduce(dense_sq, self.dense_group)
+        all_reduce(expert_sq, self.expert_group)
+
+    def optimizer_state(self, owns_dense: bool, owns_experts: bool) -> dict[str, torch.Tensor]:
+        """Every rank owns a slice of the optimizer state, whatever it owns of the model."""
+        return partition_state_entries(self.optimizer, self.partitions)
+
+    def load_optimizer_state(self, reader: ShardedReader, saved_groups: list[dict[str, Any]]) -> None:
+        load_partition_state(self.optimizer, self.partitions, reader, saved_groups)
