@@ -1,0 +1,360 @@
+"""Tensor (and sequence) parallelism equals the serial layers: on every rank the forward output,
+the input gradient and the rank's slice of each weight gradient match nn.Linear, nn.Embedding and
+F.cross_entropy built from the same seed. All cases run in one spawn of the gloo world per size.
+
+Each case is a pair: a rank function (group -> this rank's tensors) and a serial reference (the full
+tensors), with a layout that says which slice of the reference each rank holds.
+"""
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.errors import ConfigError
+from megatron.model.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_region,
+    gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
+    scatter_to_tp_region, shard, tp_rank_and_size, unshard, vocab_parallel_cross_entropy,
+)
+from megatron.model.transformer import init_linear_, init_normal_, swiglu
+from tests.dist_utils import run_distributed
+
+B, S, H, F_, V = 2, 4, 8, 16, 16  # F_ ffn hidden (F is torch.nn.functional)
+QKV = [8, 4, 4]  # query, key and value widths of a GQA-like fused projection: uneven parts
+SEED, STD = 1234, 0.3  # keeps every activation O(1), so the tolerance below means something
+
+Tensors = dict[str, torch.Tensor]
+Group = dist.ProcessGroup | None
+Layout = dict[str, tuple[int, list[int] | None] | None]  # key -> (dim, parts) of the slice, None if whole
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    """Data from its own generator, so the global RNG is left to the layers' init."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _bias(width: int) -> torch.Tensor:
+    # Layers start with a zero bias; a non-zero one shows it is added once, after the reduction.
+    return torch.linspace(-1.0, 1.0, width)
+
+
+def _dense_linear(in_features: int, out_features: int) -> nn.Linear:
+    """nn.Linear initialised as the model does (normal weight, then the bias set), its constructor's
+    own init skipped (meta device) so that it draws from the RNG what the parallel layer draws."""
+    linear = nn.Linear(in_features, out_features, device="meta").to_empty(device="cpu")
+    init_linear_(linear, STD)
+    with torch.no_grad():
+        linear.bias.copy_(_bias(out_features))
+    return linear
+
+
+def _set_bias(bias: torch.Tensor, width: int, group: Group, parts: list[int] | None = None) -> None:
+    """This rank's slice of the reference's bias of `width` (all of it where the group is None)."""
+    rank, size = tp_rank_and_size(group)
+    with torch.no_grad():
+        bias.copy_(shard(_bias(width), 0, rank, size, parts))
+
+
+def _grads(prefix: str, layer: nn.Module) -> Tensors:
+    return {f"{prefix}w_grad": layer.weight.grad, f"{prefix}b_grad": layer.bias.grad}
+
+
+# --- column-parallel linear ---------------------------------------------------------------------
+
+def _column(group: Group, gather_output: bool, parts: list[int] | None) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    torch.manual_seed(SEED)
+    layer = ColumnParallelLinear(H, sum(QKV), True, group, gather_output=gather_output, init_std=STD, partition_sizes=parts)
+    _set_bias(layer.bias, sum(QKV), group, parts)
+    x_BSH = _randn(B, S, H, seed=1).requires_grad_()
+    y = layer(x_BSH)
+    grad_BSO = _randn(B, S, sum(QKV), seed=2)
+    y.backward(grad_BSO if gather_output else shard(grad_BSO, -1, rank, size, parts))
+    return {"out": y, "x_grad": x_BSH.grad, **_grads("", layer)}
+
+
+def _column_reference(gather_output: bool, parts: list[int] | None) -> Tensors:
+    torch.manual_seed(SEED)
+    linear = _dense_linear(H, sum(QKV))
+    x_BSH = _randn(B, S, H, seed=1).requires_grad_()
+    y_BSO = linear(x_BSH)
+    y_BSO.backward(_randn(B, S, sum(QKV), seed=2))
+    return {"out": y_BSO, "x_grad": x_BSH.grad, "w_grad": linear.weight.grad, "b_grad": linear.bias.grad}
+
+
+def _column_layout(gather_output: bool, parts: list[int] | None) -> Layout:
+    return {"out": None if gather_output else (-1, parts), "x_grad": None, "w_grad": (0, parts), "b_grad": (0, parts)}
+
+
+# --- row-parallel linear ------------------------------------------------------------------------
+
+def _row(group: Group, input_is_parallel: bool) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    torch.manual_seed(SEED)
+    layer = RowParallelLinear(F_, H, True, group, input_is_parallel=input_is_parallel, init_std=STD)
+    _set_bias(layer.bias, H, None)
+    x_BSF = _randn(B, S, F_, seed=3)
+    x_BSF = (shard(x_BSF, -1, rank, size) if input_is_parallel else x_BSF).requires_grad_()
+    y_BSH = layer(x_BSF)
+    y_BSH.backward(_randn(B, S, H, seed=4))
+    return {"out": y_BSH, "x_grad": x_BSF.grad, **_grads("", layer)}
+
+
+def _row_reference(input_is_parallel: bool) -> Tensors:
+    torch.manual_seed(SEED)
+    linear = _dense_linear(F_, H)
+    x_BSF = _randn(B, S, F_, seed=3).requires_grad_()
+    y_BSH = linear(x_BSF)
+    y_BSH.backward(_randn(B, S, H, seed=4))
+    return {"out": y_BSH, "x_grad": x_BSF.grad, "w_grad": linear.weight.grad, "b_grad": linear.bias.grad}
+
+
+def _row_layout(input_is_parallel: bool) -> Layout:
+    return {"out": None, "x_grad": (-1, None) if input_is_parallel else None, "w_grad": (1, None), "b_grad": None}
+
+
+# --- SwiGLU MLP: column ([gate; up] parts) -> row, optionally sequence parallel ------------------
+
+def _mlp(group: Group, sequence_parallel: bool) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    torch.manual_seed(SEED)
+    fc1 = ColumnParallelLinear(H, 2 * F_, True, group, sequence_parallel=sequence_parallel, init_std=STD,
+                               partition_sizes=[F_, F_])
+    fc2 = RowParallelLinear(F_, H, True, group, sequence_parallel=sequence_parallel, init_std=STD)
+    _set_bias(fc1.bias, 2 * F_, group, [F_, F_])
+    _set_bias(fc2.bias, H, None)
+    x_BSH = _randn(B, S, H, seed=5).requires_grad_()
+    grad_BSH = _randn(B, S, H, seed=6)
+    if sequence_parallel:
+        y_BsH = fc2(swiglu(fc1(scatter_to_sequence_region(x_BSH, group))))
+        # Backward from this rank's positions; the output is gathered only to compare it.
+        y_BsH.backward(shard(grad_BSH, 1, rank, size))
+        y_BSH = gather_from_sequence_region(y_BsH.detach(), group)
+    else:
+        y_BSH = fc2(swiglu(fc1(x_BSH)))
+        y_BSH.backward(grad_BSH)
+    return {"out": y_BSH, "x_grad": x_BSH.grad, **_grads("fc1_", fc1), **_grads("fc2_", fc2)}
+
+
+def _mlp_reference(sequence_parallel: bool) -> Tensors:
+    torch.manual_seed(SEED)
+    fc1, fc2 = _dense_linear(H, 2 * F_), _dense_linear(F_, H)
+    x_BSH = _randn(B, S, H, seed=5).requires_grad_()
+    y_BSH = fc2(swiglu(fc1(x_BSH)))
+    y_BSH.backward(_randn(B, S, H, seed=6))
+    return {"out": y_BSH, "x_grad": x_BSH.grad, **_grads("fc1_", fc1), **_grads("fc2_", fc2)}
+
+
+def _mlp_layout(sequence_parallel: bool) -> Layout:
+    return {"out": None, "x_grad": None, "fc1_w_grad": (0, [F_, F_]), "fc1_b_grad": (0, [F_, F_]),
+            "fc2_w_grad": (1, None), "fc2_b_grad": None}
+
+
+# --- vocabulary-parallel embedding and cross-entropy -------------------------------------------
+
+def _ids_BS() -> torch.Tensor:
+    return (torch.arange(B * S).view(B, S) * 5 + 3) % V  # ids in every rank's range, for tp up to 4
+
+
+def _embedding(group: Group, sequence_parallel: bool) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    torch.manual_seed(SEED)
+    embedding = VocabParallelEmbedding(V, H, group, init_std=STD, sequence_parallel=sequence_parallel)
+    x = embedding(_ids_BS())
+    grad_BSH = _randn(B, S, H, seed=7)
+    x.backward(shard(grad_BSH, 1, rank, size) if sequence_parallel else grad_BSH)
+    x_BSH = gather_from_sequence_region(x.detach(), group) if sequence_parallel else x
+    return {"out": x_BSH, "w_grad": embedding.weight.grad}
+
+
+def _embedding_reference(sequence_parallel: bool) -> Tensors:
+    torch.manual_seed(SEED)
+    embedding = nn.Embedding(V, H, device="meta").to_empty(device="cpu")
+    init_normal_(embedding.weight, STD)
+    x_BSH = embedding(_ids_BS())
+    x_BSH.backward(_randn(B, S, H, seed=7))
+    return {"out": x_BSH, "w_grad": embedding.weight.grad}
+
+
+def _logits_BSV() -> torch.Tensor:
+    logits_BSV = 3.0 * _randn(B, S, V, seed=8)
+    logits_BSV[0, 0, 5] = 80.0  # exp would overflow without the max shift
+    return logits_BSV
+
+
+def _cross_entropy(group: Group) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    logits_BSv = shard(_logits_BSV(), -1, rank, size).requires_grad_()
+    losses_BS = vocab_parallel_cross_entropy(logits_BSv, _ids_BS(), group)
+    losses_BS.backward(_randn(B, S, seed=9))
+    return {"out": losses_BS, "logits_grad": logits_BSv.grad}
+
+
+def _cross_entropy_reference() -> Tensors:
+    logits_BSV = _logits_BSV().requires_grad_()
+    losses_BS = F.cross_entropy(logits_BSV.view(-1, V), _ids_BS().view(-1), reduction="none").view(B, S)
+    losses_BS.backward(_randn(B, S, seed=9))
+    return {"out": losses_BS, "logits_grad": logits_BSV.grad}
+
+
+# --- the mappings alone: each rank feeds its own input and output gradient ---------------------
+
+MAPPINGS = {
+    "copy": copy_to_tp_region, "reduce": reduce_from_tp_region, "gather": gather_from_tp_region,
+    "scatter": scatter_to_tp_region, "seq_scatter": scatter_to_sequence_region,
+    "seq_gather": gather_from_sequence_region, "seq_reduce_scatter": reduce_scatter_to_sequence_region,
+}
+
+
+def _mapping_inputs(name: str, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s input and output gradient for mapping `name`."""
+    out_shape = {"gather": (B, S, H * size), "scatter": (B, S, H // size), "seq_scatter": (B, S // size, H),
+                 "seq_gather": (B, S * size, H), "seq_reduce_scatter": (B, S // size, H)}.get(name, (B, S, H))
+    return _randn(B, S, H, seed=100 + rank), _randn(*out_shape, seed=200 + rank)
+
+
+def _mappings(group: Group) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    results = {}
+    for name, mapping in MAPPINGS.items():
+        x, grad = _mapping_inputs(name, rank, size)
+        x.requires_grad_()
+        y = mapping(x, group)
+        y.backward(grad)
+        results |= {f"{name}_out": y, f"{name}_x_grad": x.grad}
+    return results
+
+
+def _expected_mapping(name: str, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What mapping `name` gives rank `rank`: its output and its input's gradient, from every rank's data."""
+    xs, grads = zip(*(_mapping_inputs(name, r, size) for r in range(size)))
+
+    def mine(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(size, dim)[rank]
+
+    match name:
+        case "copy":
+            return xs[rank], sum(grads)
+        case "reduce":
+            return sum(xs), grads[rank]
+        case "gather":
+            return torch.cat(xs, -1), mine(grads[rank], -1)
+        case "scatter":
+            return mine(xs[rank], -1), torch.cat(grads, -1)
+        case "seq_scatter":
+            return mine(xs[rank], 1), torch.cat(grads, 1)
+        case "seq_gather":
+            return torch.cat(xs, 1), mine(sum(grads), 1)
+        case "seq_reduce_scatter":
+            return mine(sum(xs), 1), torch.cat(grads, 1)
+    raise KeyError(name)
+
+
+# --- the cases, run together in one world per size ---------------------------------------------
+
+CASES: dict[str, tuple[Callable[[Group], Tensors], Callable[[], Tensors], Layout]] = {
+    **{f"column_gather{int(g)}_parts{int(p is not None)}": (
+        functools.partial(_column, gather_output=g, parts=p), functools.partial(_column_reference, g, p), _column_layout(g, p))
+       for g in (False, True) for p in (None, QKV)},
+    **{f"row_parallel_input{int(i)}": (functools.partial(_row, input_is_parallel=i), functools.partial(_row_reference, i), _row_layout(i))
+       for i in (False, True)},
+    **{f"mlp_sp{int(sp)}": (functools.partial(_mlp, sequence_parallel=sp), functools.partial(_mlp_reference, sp), _mlp_layout(sp))
+       for sp in (False, True)},
+    **{f"embedding_sp{int(sp)}": (functools.partial(_embedding, sequence_parallel=sp), functools.partial(_embedding_reference, sp),
+                                  {"out": None, "w_grad": (0, None)})
+       for sp in (False, True)},
+    "cross_entropy": (_cross_entropy, _cross_entropy_reference, {"out": None, "logits_grad": (-1, None)}),
+}
+
+
+def _run_cases(group: Group) -> Tensors:
+    return {f"{case}.{key}": value for case, (run, _, _) in CASES.items() for key, value in run(group).items()}
+
+
+def _all_cases(world_size: int) -> Tensors:
+    group = dist.new_group(list(range(world_size)))
+    results = _run_cases(group) | {f"mappings.{key}": value for key, value in _mappings(group).items()}
+    _check_layer_errors(group)
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
+def ranks(request) -> tuple[int, list[Tensors]]:
+    """Every rank's results for tp = 1 (in this process, no group), 2 and 4 (gloo processes)."""
+    tp = request.param
+    if tp == 1:
+        return tp, [_run_cases(None)]
+    return tp, run_distributed(_all_cases, tp, tp)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parallel_layer_equals_serial(ranks, case):
+    tp, results = ranks
+    _, reference, layout = CASES[case]
+    full = reference()
+    for rank, result in enumerate(results):
+        for key, where in layout.items():
+            expected = full[key] if where is None else shard(full[key], where[0], rank, tp, where[1])
+            _close(result[f"{case}.{key}"], expected)
+
+
+def test_mappings_move_values_and_gradients(ranks):
+    tp, results = ranks
+    if tp == 1:
+        x = torch.randn(B, S, H, requires_grad=True)
+        assert all(mapping(x, None) is x for mapping in MAPPINGS.values())  # TP=1: no copy, no graph node
+        return
+    for rank, result in enumerate(results):
+        for name in MAPPINGS:
+            out, x_grad = _expected_mapping(name, rank, tp)
+            _close(result[f"mappings.{name}_out"], out)
+            _close(result[f"mappings.{name}_x_grad"], x_grad)
+
+
+# --- pure functions and errors ------------------------------------------------------------------
+
+def test_shard_takes_each_parts_slice_and_unshard_inverts_it():
+    full = torch.arange(16 * 3).view(16, 3)
+    assert torch.equal(shard(full, 0, 1, 2), full[8:])
+    # parts q 8, k 4, v 4 over 2 ranks: rank 1 holds q[4:8], k[2:4], v[2:4]
+    assert torch.equal(shard(full, 0, 1, 2, QKV), torch.cat([full[4:8], full[10:12], full[14:16]]))
+    wide = torch.arange(4 * 12).view(4, 12)
+    for tensor, dim, parts in [(full, 0, None), (full, 0, QKV), (wide, 1, None), (wide, -1, [8, 4])]:
+        for size in (1, 2, 4):
+            pieces = [shard(tensor, dim, rank, size, parts) for rank in range(size)]
+            assert torch.equal(unshard(pieces, dim, parts), tensor)
+    assert shard(full, 0, 0, 1).data_ptr() != full.data_ptr()  # a parameter of its own, not a view
+
+
+def test_sizes_that_do_not_split_evenly_are_config_errors():
+    with pytest.raises(ConfigError, match=r"dimension 0 of a \(10, 3\) tensor \(10\) is not divisible by the tensor-parallel size 4"):
+        shard(torch.zeros(10, 3), 0, 0, 4)
+    with pytest.raises(ConfigError, match=r"part 1 of dimension 0 .* \[6, 3, 3\] \(3\) is not divisible by the tensor-parallel size 2"):
+        shard(torch.zeros(12, 3), 0, 0, 2, [6, 3, 3])
+    with pytest.raises(ConfigError, match=r"partition sizes \[8, 4\] .* add up to 12, not 16"):
+        unshard([torch.zeros(8), torch.zeros(8)], 0, [8, 4])
+
+
+def _check_layer_errors(group: dist.ProcessGroup) -> None:
+    """Layers name the size that does not split (run on the ranks: the size comes from the group)."""
+    size = dist.get_world_size(group)
+    odd = 2 * size + 1
+    with pytest.raises(ConfigError, match=rf"ColumnParallelLinear's out_features \({odd}\) is not divisible by the tensor-parallel size {size}"):
+        ColumnParallelLinear(H, odd, True, group)
+    with pytest.raises(ConfigError, match=rf"part 1 of ColumnParallelLinear's out_features \[{2 * size}, {odd}, {odd}\]"):
+        ColumnParallelLinear(H, 2 * size + 2 * odd, True, group, partition_sizes=[2 * size, odd, odd])
+    with pytest.raises(ConfigError, match=rf"RowParallelLinear's in_features \({odd}\) is not divisible"):
+        RowParallelLinear(odd, H, True, group)
+    with pytest.raises(ConfigError, match=rf"the vocabulary size \({odd}\) .* --make-vocab-size-divisible-by"):
+        VocabParallelEmbedding(odd, H, group)
+    with pytest.raises(ConfigError, match=r"dimension 1 of a \(2, 3, 8\) activation \(3\) is not divisible"):
+        scatter_to_sequence_region(torch.zeros(B, 3, H), group)
