@@ -22,6 +22,7 @@ from megatron.errors import CheckpointError, DataError, TrainingStopped
 from megatron.exit_conditions import ExitConditions
 from megatron.losses import masked_mean
 from megatron.model import GPTModel
+from megatron.model.tensor_parallel import TensorParallel
 from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
@@ -68,7 +69,9 @@ def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tenso
 def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     """The settings that decide a run's memory and speed, for the log's first line."""
     zero = runtime.zero_optimization
+    tensor_parallel = f"tensor-parallel {grid.tp_size} | " if grid.tp_size > 1 else ""
     return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
+            f"{tensor_parallel}"
             f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
             f"optimizer offload {zero.offload_optimizer.device} | parameter offload {zero.offload_param.device} | "
             f"global batch {runtime.train_batch_size} = micro batch {runtime.train_micro_batch_size_per_gpu} x "
@@ -90,9 +93,11 @@ class Trainer:
         )
         # data first: a bad prefix or corrupt index stops the run before the model is built
         self.train_data, self.valid_data, self.test_data = self._build_datasets()
-        vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by)
+        # as Megatron pads it: every tensor-parallel rank gets an equal share of whole multiples
+        vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by * grid.tp_size)
         self.model_config = replace(config.model, vocab_size=vocab)
-        model = GPTModel(self.model_config, ep_group=grid.ep_group).to(grid.device)
+        tp = TensorParallel(grid.tp_group, config.training.sequence_parallel)
+        model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp).to(grid.device)
         self.moe_monitor = MoEMonitor(model)
         t, ckpt = config.training, config.checkpoint
         self.load_dir = ckpt.load

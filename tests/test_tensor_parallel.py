@@ -1,6 +1,7 @@
-"""Tensor (and sequence) parallelism equals the serial layers: on every rank the forward output,
-the input gradient and the rank's slice of each weight gradient match nn.Linear, nn.Embedding and
-F.cross_entropy built from the same seed. All cases run in one spawn of the gloo world per size.
+"""Tensor (and sequence) parallelism equals the serial layers: each parallel layer is made from an
+nn.Linear or nn.Embedding built from the same seed as the reference, and on every rank the forward
+output, the input gradient and the rank's slice of each weight gradient match the reference's (and
+F.cross_entropy's). All cases run in one spawn of the gloo world per size.
 
 Each case is a pair: a rank function (group -> this rank's tensors) and a serial reference (the full
 tensors), with a layout that says which slice of the reference each rank holds.
@@ -17,9 +18,10 @@ from torch import nn
 
 from megatron.errors import ConfigError
 from megatron.model.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_region,
-    gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
-    scatter_to_tp_region, shard, tp_rank_and_size, unshard, vocab_parallel_cross_entropy,
+    ColumnParallelLinear, RowParallelLinear, TensorParallel, TensorParallelSplit, VocabParallelEmbedding,
+    copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, reduce_from_tp_region,
+    reduce_scatter_to_sequence_region, scatter_to_sequence_region, scatter_to_tp_region, shard, sum_gradient_over,
+    tensor_parallel_split, tp_rank_and_size, unshard, vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import init_linear_, init_normal_, swiglu
 from tests.dist_utils import run_distributed
@@ -38,26 +40,31 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _bias(width: int) -> torch.Tensor:
-    # Layers start with a zero bias; a non-zero one shows it is added once, after the reduction.
-    return torch.linspace(-1.0, 1.0, width)
-
-
-def _dense_linear(in_features: int, out_features: int) -> nn.Linear:
-    """nn.Linear initialised as the model does (normal weight, then the bias set), its constructor's
-    own init skipped (meta device) so that it draws from the RNG what the parallel layer draws."""
-    linear = nn.Linear(in_features, out_features, device="meta").to_empty(device="cpu")
+def _full_linear(in_features: int, out_features: int) -> nn.Linear:
+    """nn.Linear initialised as the model does (normal weight), from the global RNG, then given a
+    non-zero bias: it shows the bias is sliced with the weight, or added once after the reduction."""
+    linear = nn.Linear(in_features, out_features)
     init_linear_(linear, STD)
     with torch.no_grad():
-        linear.bias.copy_(_bias(out_features))
+        linear.bias.copy_(torch.linspace(-1.0, 1.0, out_features))
     return linear
 
 
-def _set_bias(bias: torch.Tensor, width: int, group: Group, parts: list[int] | None = None) -> None:
-    """This rank's slice of the reference's bias of `width` (all of it where the group is None)."""
-    rank, size = tp_rank_and_size(group)
-    with torch.no_grad():
-        bias.copy_(shard(_bias(width), 0, rank, size, parts))
+def _full_embedding() -> nn.Embedding:
+    embedding = nn.Embedding(V, H)
+    init_normal_(embedding.weight, STD)
+    return embedding
+
+
+def _check_split(param: torch.Tensor, group: Group, dim: int, parts: list[int] | None = None) -> None:
+    """A sliced parameter records its split once the group has more than one rank."""
+    expected = TensorParallelSplit(dim, None if parts is None else tuple(parts)) if tp_rank_and_size(group)[1] > 1 else None
+    assert tensor_parallel_split(param) == expected, (tensor_parallel_split(param), expected)
+
+
+def _check_whole_bias(layer: RowParallelLinear, full: nn.Linear) -> None:
+    """RowParallelLinear's bias is the full layer's own, whole and unsplit on every rank."""
+    assert layer.bias is full.bias and tensor_parallel_split(layer.bias) is None
 
 
 def _grads(prefix: str, layer: nn.Module) -> Tensors:
@@ -69,8 +76,9 @@ def _grads(prefix: str, layer: nn.Module) -> Tensors:
 def _column(group: Group, gather_output: bool, parts: list[int] | None) -> Tensors:
     rank, size = tp_rank_and_size(group)
     torch.manual_seed(SEED)
-    layer = ColumnParallelLinear(H, sum(QKV), True, group, gather_output=gather_output, init_std=STD, partition_sizes=parts)
-    _set_bias(layer.bias, sum(QKV), group, parts)
+    layer = ColumnParallelLinear(_full_linear(H, sum(QKV)), group, gather_output=gather_output, partition_sizes=parts)
+    _check_split(layer.weight, group, 0, parts)
+    _check_split(layer.bias, group, 0, parts)
     x_BSH = _randn(B, S, H, seed=1).requires_grad_()
     y = layer(x_BSH)
     grad_BSO = _randn(B, S, sum(QKV), seed=2)
@@ -80,7 +88,7 @@ def _column(group: Group, gather_output: bool, parts: list[int] | None) -> Tenso
 
 def _column_reference(gather_output: bool, parts: list[int] | None) -> Tensors:
     torch.manual_seed(SEED)
-    linear = _dense_linear(H, sum(QKV))
+    linear = _full_linear(H, sum(QKV))
     x_BSH = _randn(B, S, H, seed=1).requires_grad_()
     y_BSO = linear(x_BSH)
     y_BSO.backward(_randn(B, S, sum(QKV), seed=2))
@@ -96,8 +104,10 @@ def _column_layout(gather_output: bool, parts: list[int] | None) -> Layout:
 def _row(group: Group, input_is_parallel: bool) -> Tensors:
     rank, size = tp_rank_and_size(group)
     torch.manual_seed(SEED)
-    layer = RowParallelLinear(F_, H, True, group, input_is_parallel=input_is_parallel, init_std=STD)
-    _set_bias(layer.bias, H, None)
+    full = _full_linear(F_, H)
+    layer = RowParallelLinear(full, group, input_is_parallel=input_is_parallel)
+    _check_split(layer.weight, group, 1)
+    _check_whole_bias(layer, full)
     x_BSF = _randn(B, S, F_, seed=3)
     x_BSF = (shard(x_BSF, -1, rank, size) if input_is_parallel else x_BSF).requires_grad_()
     y_BSH = layer(x_BSF)
@@ -107,7 +117,7 @@ def _row(group: Group, input_is_parallel: bool) -> Tensors:
 
 def _row_reference(input_is_parallel: bool) -> Tensors:
     torch.manual_seed(SEED)
-    linear = _dense_linear(F_, H)
+    linear = _full_linear(F_, H)
     x_BSF = _randn(B, S, F_, seed=3).requires_grad_()
     y_BSH = linear(x_BSF)
     y_BSH.backward(_randn(B, S, H, seed=4))
@@ -120,14 +130,19 @@ def _row_layout(input_is_parallel: bool) -> Layout:
 
 # --- SwiGLU MLP: column ([gate; up] parts) -> row, optionally sequence parallel ------------------
 
+def _full_mlp() -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(SEED)
+    return _full_linear(H, 2 * F_), _full_linear(F_, H)
+
+
 def _mlp(group: Group, sequence_parallel: bool) -> Tensors:
     rank, size = tp_rank_and_size(group)
-    torch.manual_seed(SEED)
-    fc1 = ColumnParallelLinear(H, 2 * F_, True, group, sequence_parallel=sequence_parallel, init_std=STD,
-                               partition_sizes=[F_, F_])
-    fc2 = RowParallelLinear(F_, H, True, group, sequence_parallel=sequence_parallel, init_std=STD)
-    _set_bias(fc1.bias, 2 * F_, group, [F_, F_])
-    _set_bias(fc2.bias, H, None)
+    full1, full2 = _full_mlp()
+    fc1 = ColumnParallelLinear(full1, group, sequence_parallel=sequence_parallel, partition_sizes=[F_, F_])
+    fc2 = RowParallelLinear(full2, group, sequence_parallel=sequence_parallel)
+    _check_split(fc1.weight, group, 0, [F_, F_])
+    _check_split(fc2.weight, group, 1)
+    _check_whole_bias(fc2, full2)
     x_BSH = _randn(B, S, H, seed=5).requires_grad_()
     grad_BSH = _randn(B, S, H, seed=6)
     if sequence_parallel:
@@ -142,8 +157,7 @@ def _mlp(group: Group, sequence_parallel: bool) -> Tensors:
 
 
 def _mlp_reference(sequence_parallel: bool) -> Tensors:
-    torch.manual_seed(SEED)
-    fc1, fc2 = _dense_linear(H, 2 * F_), _dense_linear(F_, H)
+    fc1, fc2 = _full_mlp()
     x_BSH = _randn(B, S, H, seed=5).requires_grad_()
     y_BSH = fc2(swiglu(fc1(x_BSH)))
     y_BSH.backward(_randn(B, S, H, seed=6))
@@ -155,6 +169,31 @@ def _mlp_layout(sequence_parallel: bool) -> Layout:
             "fc2_w_grad": (1, None), "fc2_b_grad": None}
 
 
+# --- a norm under sequence parallelism: whole weight, each rank's positions, summed gradient -----
+
+def _norm(group: Group) -> Tensors:
+    rank, size = tp_rank_and_size(group)
+    norm = nn.LayerNorm(H)
+    for param in norm.parameters():
+        sum_gradient_over(param, group)
+        assert tensor_parallel_split(param) is None
+    x_BsH = shard(_randn(B, S, H, seed=10), 1, rank, size).requires_grad_()
+    y_BsH = norm(x_BsH)
+    # Two backwards: the sum happens in each, before the gradient accumulates.
+    for seed in (11, 12):
+        y_BsH.backward(shard(_randn(B, S, H, seed=seed), 1, rank, size), retain_graph=True)
+    return {"out": y_BsH, "x_grad": x_BsH.grad, **_grads("", norm)}
+
+
+def _norm_reference() -> Tensors:
+    norm = nn.LayerNorm(H)
+    x_BSH = _randn(B, S, H, seed=10).requires_grad_()
+    y_BSH = norm(x_BSH)
+    for seed in (11, 12):
+        y_BSH.backward(_randn(B, S, H, seed=seed), retain_graph=True)
+    return {"out": y_BSH, "x_grad": x_BSH.grad, **_grads("", norm)}
+
+
 # --- vocabulary-parallel embedding and cross-entropy -------------------------------------------
 
 def _ids_BS() -> torch.Tensor:
@@ -164,7 +203,8 @@ def _ids_BS() -> torch.Tensor:
 def _embedding(group: Group, sequence_parallel: bool) -> Tensors:
     rank, size = tp_rank_and_size(group)
     torch.manual_seed(SEED)
-    embedding = VocabParallelEmbedding(V, H, group, init_std=STD, sequence_parallel=sequence_parallel)
+    embedding = VocabParallelEmbedding(_full_embedding(), group, sequence_parallel=sequence_parallel)
+    _check_split(embedding.weight, group, 0)
     x = embedding(_ids_BS())
     grad_BSH = _randn(B, S, H, seed=7)
     x.backward(shard(grad_BSH, 1, rank, size) if sequence_parallel else grad_BSH)
@@ -174,8 +214,7 @@ def _embedding(group: Group, sequence_parallel: bool) -> Tensors:
 
 def _embedding_reference(sequence_parallel: bool) -> Tensors:
     torch.manual_seed(SEED)
-    embedding = nn.Embedding(V, H, device="meta").to_empty(device="cpu")
-    init_normal_(embedding.weight, STD)
+    embedding = _full_embedding()
     x_BSH = embedding(_ids_BS())
     x_BSH.backward(_randn(B, S, H, seed=7))
     return {"out": x_BSH, "w_grad": embedding.weight.grad}
@@ -268,6 +307,7 @@ CASES: dict[str, tuple[Callable[[Group], Tensors], Callable[[], Tensors], Layout
     **{f"embedding_sp{int(sp)}": (functools.partial(_embedding, sequence_parallel=sp), functools.partial(_embedding_reference, sp),
                                   {"out": None, "w_grad": (0, None)})
        for sp in (False, True)},
+    "norm_sum_gradient": (_norm, _norm_reference, {"out": (1, None), "x_grad": (1, None), "w_grad": None, "b_grad": None}),
     "cross_entropy": (_cross_entropy, _cross_entropy_reference, {"out": None, "logits_grad": (-1, None)}),
 }
 
@@ -278,6 +318,8 @@ def _run_cases(group: Group) -> Tensors:
 
 def _all_cases(world_size: int) -> Tensors:
     group = dist.new_group(list(range(world_size)))
+    record = TensorParallel(group, sequence_parallel=True)
+    assert (record.size, record.enabled) == (world_size, True)
     results = _run_cases(group) | {f"mappings.{key}": value for key, value in _mappings(group).items()}
     _check_layer_errors(group)
     return results
@@ -322,6 +364,11 @@ def test_mappings_move_values_and_gradients(ranks):
 
 # --- pure functions and errors ------------------------------------------------------------------
 
+def test_without_a_group_tensor_parallelism_is_off():
+    record = TensorParallel()
+    assert (record.group, record.size, record.enabled, record.sequence_parallel) == (None, 1, False, False)
+
+
 def test_shard_takes_each_parts_slice_and_unshard_inverts_it():
     full = torch.arange(16 * 3).view(16, 3)
     assert torch.equal(shard(full, 0, 1, 2), full[8:])
@@ -349,12 +396,14 @@ def _check_layer_errors(group: dist.ProcessGroup) -> None:
     size = dist.get_world_size(group)
     odd = 2 * size + 1
     with pytest.raises(ConfigError, match=rf"ColumnParallelLinear's out_features \({odd}\) is not divisible by the tensor-parallel size {size}"):
-        ColumnParallelLinear(H, odd, True, group)
+        ColumnParallelLinear(nn.Linear(H, odd), group)
     with pytest.raises(ConfigError, match=rf"part 1 of ColumnParallelLinear's out_features \[{2 * size}, {odd}, {odd}\]"):
-        ColumnParallelLinear(H, 2 * size + 2 * odd, True, group, partition_sizes=[2 * size, odd, odd])
+        ColumnParallelLinear(nn.Linear(H, 2 * size + 2 * odd), group, partition_sizes=[2 * size, odd, odd])
+    with pytest.raises(ConfigError, match=r"partition sizes \[8, 4\] of ColumnParallelLinear's out_features add up to 12, not 16"):
+        ColumnParallelLinear(nn.Linear(H, 16), group, partition_sizes=[8, 4])
     with pytest.raises(ConfigError, match=rf"RowParallelLinear's in_features \({odd}\) is not divisible"):
-        RowParallelLinear(odd, H, True, group)
+        RowParallelLinear(nn.Linear(odd, H), group)
     with pytest.raises(ConfigError, match=rf"the vocabulary size \({odd}\) .* --make-vocab-size-divisible-by"):
-        VocabParallelEmbedding(odd, H, group)
+        VocabParallelEmbedding(nn.Embedding(odd, H), group)
     with pytest.raises(ConfigError, match=r"dimension 1 of a \(2, 3, 8\) activation \(3\) is not divisible"):
         scatter_to_sequence_region(torch.zeros(B, 3, H), group)

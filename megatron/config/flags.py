@@ -60,6 +60,8 @@ class TrainingConfig:
     lr_decay_tokens: int
     seed: int
     expert_parallel_size: int
+    tensor_parallel_size: int
+    sequence_parallel: bool
     check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
     max_consecutive_skipped_iterations: int  # 0: no limit
     # the --deepspeed_config JSON as written; the flags' values are laid over it (deepspeed_json.py)
@@ -220,6 +222,14 @@ def build_parser(sizing: bool = False) -> FlagParser:
                    help="aux_loss over the micro-batch, seq_aux_loss per sequence, or none; weighted by --moe-loss-coeff")
     g.add_argument("--create-moe-param-group", action="store_true",
                    help="accepted for Megatron-DeepSpeed recipes; expert parameters are always handled apart")
+
+    g = parser.add_argument_group("model parallelism (Megatron's flags; ranks ordered tp, dp, pp)")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
+                   help="split attention heads, the MLP width and the vocabulary over this many ranks")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="under tensor parallelism, split norms, dropout and residuals along the sequence too")
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=1)
 
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
@@ -391,7 +401,30 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
     return model
 
 
+def _check_model_parallel_flags(args: argparse.Namespace) -> None:
+    """What tensor parallelism covers so far; the rest stops here with one sentence each."""
+    for flag, value, feature in (
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, "pipeline parallelism"),
+        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, "expert tensor parallelism"),
+    ):
+        if value > 1:
+            raise ConfigError(f"{flag} {value}: {feature} is not built yet; leave it at 1")
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits the activations between tensor-parallel regions; "
+                          "add --tensor-model-parallel-size N (N > 1) or drop it")
+    if tp == 1:
+        return
+    if args.save or args.load:
+        raise ConfigError(f"checkpoints under --tensor-model-parallel-size {tp} are not built yet; "
+                          "drop --save and --load, or train with --tensor-model-parallel-size 1")
+    if args.load_teacher is not None:
+        raise ConfigError(f"MoS distillation under --tensor-model-parallel-size {tp} is not built yet; "
+                          "distil with --tensor-model-parallel-size 1")
+
+
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
+    _check_model_parallel_flags(args)
     for dest, key in (("micro_batch_size", "train_micro_batch_size_per_gpu"), ("lr", "optimizer.params.lr")):
         if getattr(args, dest) is None:
             raise ConfigError(f"--{dest.replace('_', '-')} is required; give it, or {key} in --deepspeed_config")
@@ -426,7 +459,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
         lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq), seed=args.seed,
-        expert_parallel_size=args.moe_expert_parallel_size, check_for_nan=args.check_for_nan_in_loss_and_grad,
+        expert_parallel_size=args.moe_expert_parallel_size, tensor_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_json=args.deepspeed_json,
     )

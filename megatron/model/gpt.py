@@ -3,6 +3,11 @@
 gives it its own `output_layer`. Returns logits, or per-token losses and the summed MoE router
 loss when labels are given. With a `KVCache` (from `new_kv_cache`) the tokens given are the next
 ones after those already cached, for incremental decoding.
+
+Under tensor parallelism (`tp`) the vocabulary is split: the embedding and the LM head hold this
+rank's rows, the loss is the vocabulary-parallel cross entropy (the full logits are never
+gathered for it) and logits asked for are gathered. With sequence parallelism the blocks work on
+this rank's positions between the embedding's scatter and the gather before the final norm.
 """
 
 import torch
@@ -11,39 +16,54 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.errors import ConfigError
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.moe import MoELayer
 from megatron.model.moe.shared_expert import SharedExpert
+from megatron.model.tensor_parallel import (
+    ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_region,
+    gather_from_tp_region, scatter_to_sequence_region, vocab_parallel_cross_entropy,
+)
 from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None, tp: TensorParallel = TensorParallel(),
+    ) -> None:
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the padded tokenizer vocabulary) before building the model")
+        if tp.enabled and config.is_moe:
+            raise ConfigError(f"MoE layers under --tensor-model-parallel-size {tp.size} are not built yet; "
+                              "train MoE models with --tensor-model-parallel-size 1 (data and expert parallelism)")
         self.config = config
+        self.tp = tp
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         init_normal_(self.word_embeddings.weight, config.init_method_std)
+        if tp.enabled:
+            self.word_embeddings = VocabParallelEmbedding(self.word_embeddings, tp.group)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             init_normal_(self.position_embeddings.weight, config.init_method_std)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList(
-            TransformerBlock(config, self._mlp(config, experts, ep_group)) for experts in config.experts_per_layer
+        self.layers = nn.ModuleList(  # built and split one at a time: a whole layer at most is transient
+            TransformerBlock(config, self._mlp(config, experts, ep_group, tp), tp) for experts in config.experts_per_layer
         )
-        self.final_layernorm = build_norm(config, config.hidden_size)
+        self.final_layernorm = build_norm(config, config.hidden_size, tp)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             init_normal_(self.output_layer.weight, config.init_method_std)
+            if tp.enabled:
+                self.output_layer = ColumnParallelLinear(self.output_layer, tp.group)
 
     @staticmethod
-    def _mlp(config: GPTConfig, num_experts: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    def _mlp(config: GPTConfig, num_experts: int, ep_group: dist.ProcessGroup | None, tp: TensorParallel) -> nn.Module:
         if num_experts == 1:
-            return MLP(config)
+            return MLP(config, tp=tp)
         return MoELayer(
             config.hidden_size, config.moe_ffn_hidden_size, num_experts, config.moe,
             init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
@@ -61,6 +81,9 @@ class GPTModel(nn.Module):
     def new_kv_cache(self, batch: int, max_length: int | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_length` tokens (default: the most
         positions the model has)."""
+        if self.tp.enabled:
+            raise ConfigError("generation with a key/value cache under tensor parallelism is not built yet; "
+                              "generate from the checkpoint on one process")
         c = self.config
         weight = self.word_embeddings.weight
         return KVCache(c.num_layers, batch, c.kv_heads, max_length or c.max_position_embeddings,
@@ -84,6 +107,8 @@ class GPTModel(nn.Module):
         if self.position_embeddings is not None:
             x_BSH = x_BSH + self.position_embeddings(position_ids_BS)
         x_BSH = self.embedding_dropout(x_BSH)
+        if self.tp.sequence_parallel:
+            x_BSH = scatter_to_sequence_region(x_BSH, self.tp.group)
         router_loss = torch.zeros((), device=x_BSH.device)
         for index, layer in enumerate(self.layers):
             if self.config.checkpoint_activations and self.training and kv_cache is None:
@@ -93,10 +118,18 @@ class GPTModel(nn.Module):
                 x_BSH, layer_loss = layer(x_BSH, position_ids_BS, layer_cache)
             router_loss = router_loss + layer_loss
         head_VH = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        logits_BSV = F.linear(self.final_layernorm(x_BSH), head_VH)
+        x_BSH = self.final_layernorm(x_BSH)
+        if self.tp.sequence_parallel:
+            x_BSH = gather_from_sequence_region(x_BSH, self.tp.group)
+        else:
+            x_BSH = copy_to_tp_region(x_BSH, self.tp.group)
+        logits_BSV = F.linear(x_BSH, head_VH)  # under tensor parallelism this rank's vocabulary rows
         if labels_BS is None:
-            return logits_BSV
-        losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
+            return gather_from_tp_region(logits_BSV, self.tp.group)
+        if self.tp.enabled:
+            losses_BS = vocab_parallel_cross_entropy(logits_BSV, labels_BS, self.tp.group)
+        else:
+            losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
         if return_logits:
-            return losses_BS.view_as(labels_BS), router_loss, logits_BSV
+            return losses_BS.view_as(labels_BS), router_loss, gather_from_tp_region(logits_BSV, self.tp.group)
         return losses_BS.view_as(labels_BS), router_loss

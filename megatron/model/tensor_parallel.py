@@ -7,15 +7,16 @@ between those pairs along the sequence: the all-reduce becomes a reduce-scatter,
 column-parallel linear all-gathers its input first.
 
 Every function takes the group explicitly. Without a group, or with a 1-rank one, each mapping
-returns its input and each layer holds the whole weight, so TP=1 costs nothing. Layers draw their
-FULL weight from the global RNG and keep their slice (Megatron's CPU init): any TP size starts from
-the weights TP=1 would have.
+returns its input and each layer holds the whole weight, so TP=1 costs nothing. Each layer is made
+from the whole, initialised layer and keeps its slice (Megatron's CPU init, one layer at a time):
+any TP size starts from exactly the weights TP=1 has.
 
 Shapes: B batch, S sequence, H hidden, V vocab, tp tensor-parallel size; lower case is this rank's
 slice: s = S / tp, v = V / tp, o = out_features / tp, i = in_features / tp.
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,42 @@ def tp_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not is_parallel(group):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a model's modules need to know of tensor parallelism: the group and whether the
+    activations between the tensor-parallel regions are split along the sequence."""
+    group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def size(self) -> int:
+        return tp_rank_and_size(self.group)[1]
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+@dataclass(frozen=True)
+class TensorParallelSplit:
+    """How a parameter is split over the tensor-parallel group: along `dim`, each of the parts of
+    `partition_sizes` (full widths) on its own, or the whole dim as one part when None."""
+    dim: int
+    partition_sizes: tuple[int, ...] | None = None
+
+
+def tensor_parallel_split(tensor: torch.Tensor) -> TensorParallelSplit | None:
+    """The split of a tensor-parallel parameter; None for one every tensor-parallel rank holds whole."""
+    return getattr(tensor, "tensor_parallel_split", None)
+
+
+def sum_gradient_over(param: nn.Parameter, group: dist.ProcessGroup | None) -> None:
+    """A parameter every rank holds whole but uses on its own share of the positions (a norm under
+    sequence parallelism): each backward's gradient is summed over the group before it accumulates."""
+    if is_parallel(group):
+        param.register_hook(lambda grad: _sum(grad, -1, group))
 
 
 def _check_divisible(n: int, size: int, what: str, fix: str) -> None:
@@ -169,9 +206,15 @@ def reduce_scatter_to_sequence_region(x_BSH: torch.Tensor, group: dist.ProcessGr
     return _map(x_BSH, _reduce_scatter, _gather, SEQUENCE_DIM, group)
 
 
-def _full_normal(rows: int, cols: int, std: float) -> torch.Tensor:
-    # The whole weight from the global RNG, drawn as TP=1 draws it, so that every TP size starts equal.
-    return nn.init.normal_(torch.empty(rows, cols), mean=0.0, std=std)
+def _slice_parameter(full: torch.Tensor | None, dim: int, rank: int, size: int,
+                     partition_sizes: Sequence[int] | None = None) -> nn.Parameter | None:
+    if full is None:
+        return None
+    param = nn.Parameter(shard(full.detach(), dim, rank, size, partition_sizes), requires_grad=full.requires_grad)
+    if size > 1:
+        parts = tuple(partition_sizes) if partition_sizes is not None and len(partition_sizes) > 1 else None
+        param.tensor_parallel_split = TensorParallelSplit(dim, parts)
+    return param
 
 
 class ColumnParallelLinear(nn.Module):
@@ -184,15 +227,14 @@ class ColumnParallelLinear(nn.Module):
     original feature order.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: dist.ProcessGroup | None,
-                 gather_output: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
-                 partition_sizes: Sequence[int] | None = None) -> None:
+    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, gather_output: bool = False,
+                 sequence_parallel: bool = False, partition_sizes: Sequence[int] | None = None) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         rank, size = tp_rank_and_size(group)
-        self.partition_sizes = _partition(out_features, size, partition_sizes, "ColumnParallelLinear's out_features", LINEAR_FIX)
-        self.weight = nn.Parameter(shard(_full_normal(out_features, in_features, init_std), 0, rank, size, self.partition_sizes))
-        self.bias = nn.Parameter(torch.zeros(out_features // size)) if bias else None
+        self.partition_sizes = _partition(full.out_features, size, partition_sizes, "ColumnParallelLinear's out_features", LINEAR_FIX)
+        self.weight = _slice_parameter(full.weight, 0, rank, size, self.partition_sizes)
+        self.bias = _slice_parameter(full.bias, 0, rank, size, self.partition_sizes)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -217,14 +259,14 @@ class RowParallelLinear(nn.Module):
     Output: y_BSH, replicated; with sequence_parallel this rank's y_BsH.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: dist.ProcessGroup | None,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, init_std: float = 0.02) -> None:
+    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         rank, size = tp_rank_and_size(group)
-        _partition(in_features, size, None, "RowParallelLinear's in_features", LINEAR_FIX)
-        self.weight = nn.Parameter(shard(_full_normal(out_features, in_features, init_std), 1, rank, size))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        _partition(full.in_features, size, None, "RowParallelLinear's in_features", LINEAR_FIX)
+        self.weight = _slice_parameter(full.weight, 1, rank, size)
+        self.bias = full.bias  # whole on every rank, added once after the sum
 
     def forward(self, x_BSi: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -247,15 +289,14 @@ class VocabParallelEmbedding(nn.Module):
     for ids outside its range and the ranks' rows are summed (reduce-scattered along S with
     sequence_parallel). ids_BS -> x_BSH replicated, or this rank's x_BsH."""
 
-    def __init__(self, num_embeddings: int, dim: int, group: dist.ProcessGroup | None, init_std: float = 0.02,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(self, full: nn.Embedding, group: dist.ProcessGroup | None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         rank, size = tp_rank_and_size(group)
-        _partition(num_embeddings, size, None, "the vocabulary size",
+        _partition(full.num_embeddings, size, None, "the vocabulary size",
                    "pad the vocabulary to a multiple of it with --make-vocab-size-divisible-by")
-        self.vocab_start = rank * (num_embeddings // size)
-        self.weight = nn.Parameter(shard(_full_normal(num_embeddings, dim, init_std), 0, rank, size))
+        self.vocab_start = rank * (full.num_embeddings // size)
+        self.weight = _slice_parameter(full.weight, 0, rank, size)
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         if is_parallel(self.group):

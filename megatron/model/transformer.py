@@ -3,8 +3,14 @@ norm -> MLP -> residual. The MLP is passed in, so a block can hold a dense MLP o
 Megatron-LM's model options shape the parts: LayerNorm or RMSNorm, GELU or SwiGLU, biases or
 none, grouped-query attention, a head dim of its own, query/key norms, full or partial rope.
 
+Under tensor parallelism (megatron/model/tensor_parallel.py) each linear is built whole, then
+keeps its rank's slice: attention's heads (and key/value groups) and the MLP's ffn width are split,
+the norms are whole on every rank. With sequence parallelism a block's input and output are this
+rank's positions of the sequence, and the norms' gradients are summed over the group.
+
 Shapes: B batch, S sequence, H hidden, N heads, G key/value heads (query groups under GQA, else
 N), D head dim (N * D = H unless --kv-channels says otherwise), R rotary dims, F ffn hidden.
+Under tensor parallelism N, G and F count this rank's share.
 """
 
 import functools
@@ -14,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.errors import ConfigError
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import LayerKVCache
+from megatron.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, sum_gradient_over
 
 
 def init_normal_(weight: torch.Tensor, std: float) -> None:
@@ -34,10 +42,23 @@ def output_layer_std(config: GPTConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
-def build_norm(config: GPTConfig, size: int) -> nn.Module:
-    """The --normalization of the last `size` dims (weight "weight", and "bias" for LayerNorm)."""
-    norm = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
-    return norm(size, eps=config.norm_epsilon)
+def build_norm(config: GPTConfig, size: int, tp: TensorParallel = TensorParallel()) -> nn.Module:
+    """The --normalization of the last `size` dims (weight "weight", and "bias" for LayerNorm).
+    Under sequence parallelism each rank normalises its own positions, so the gradients of the
+    (whole) weights are summed over the tensor-parallel group."""
+    norm = (nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm)(size, eps=config.norm_epsilon)
+    if tp.sequence_parallel:
+        for param in norm.parameters():
+            sum_gradient_over(param, tp.group)
+    return norm
+
+
+def split_heads_evenly(config: GPTConfig, tp: TensorParallel) -> None:
+    """Tensor parallelism gives each rank whole heads and whole key/value groups."""
+    for count, flag in ((config.num_attention_heads, "--num-attention-heads"), (config.kv_heads, "--num-query-groups")):
+        if count % tp.size:
+            raise ConfigError(f"{flag} {count} cannot be split over --tensor-model-parallel-size {tp.size}; "
+                              "choose a tensor-parallel size that divides the heads and the key/value groups")
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,9 +99,11 @@ class CausalSelfAttention(nn.Module):
     all queries, all keys, all values ([3, N, D]); with GQA they follow Megatron-LM: per query
     group, its N/G query heads, then its key head, then its value head ([G, N/G + 2, D])."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.num_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.kv_heads, config.head_dim
+        split_heads_evenly(config, tp)
+        self.num_heads, self.kv_heads = config.num_attention_heads // tp.size, config.kv_heads // tp.size
+        self.head_dim = config.head_dim
         self.grouped_layout = config.num_query_groups is not None
         # heads that share keys use SDPA's GQA where this torch has it, else repeated key/value heads;
         # decided once here, since the probe runs an attention of its own
@@ -88,14 +111,22 @@ class CausalSelfAttention(nn.Module):
         self.sdpa_gqa = shares_keys and sdpa_takes_gqa()
         self.kv_repeats = self.num_heads // self.kv_heads if shares_keys and not self.sdpa_gqa else 1
         self.dropout_p = config.attention_dropout
-        query_width = self.num_heads * self.head_dim
+        query_width, kv_width = config.num_attention_heads * self.head_dim, config.kv_heads * self.head_dim
         bias = config.add_bias_linear
-        self.query_key_value = nn.Linear(config.hidden_size, query_width + 2 * self.kv_heads * self.head_dim, bias=bias)
+        self.query_key_value = nn.Linear(config.hidden_size, query_width + 2 * kv_width, bias=bias)
         self.dense = nn.Linear(query_width, config.hidden_size, bias=bias)
         init_linear_(self.query_key_value, config.init_method_std)
         init_linear_(self.dense, output_layer_std(config))
+        if tp.enabled:  # the grouped layout splits into whole groups as it is; [3, N, D] part by part
+            parts = None if self.grouped_layout else [query_width, kv_width, kv_width]
+            self.query_key_value = ColumnParallelLinear(self.query_key_value, tp.group, sequence_parallel=tp.sequence_parallel,
+                                                        partition_sizes=parts)
+            self.dense = RowParallelLinear(self.dense, tp.group, sequence_parallel=tp.sequence_parallel)
         self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        for norm in (self.q_layernorm, self.k_layernorm) if tp.enabled and config.qk_layernorm else ():
+            for param in norm.parameters():  # each rank normalises its own heads with the whole weights
+                sum_gradient_over(param, tp.group)
         self.rotary = (
             RotaryEmbedding(config.rotary_dims, config.rotary_base, config.max_position_embeddings)
             if config.position_embedding_type == "rope"
@@ -119,8 +150,9 @@ class CausalSelfAttention(nn.Module):
         self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, kv_cache: LayerKVCache | None = None
     ) -> torch.Tensor:
         """With `kv_cache`, x holds only the new tokens: they attend to the cached ones and themselves."""
-        batch, seq, _ = x_BSH.shape
-        q_BNSD, k_BGSD, v_BGSD = self._split_heads(self.query_key_value(x_BSH))
+        qkv_BSX = self.query_key_value(x_BSH)  # the whole sequence, also under sequence parallelism
+        batch, seq, _ = qkv_BSX.shape
+        q_BNSD, k_BGSD, v_BGSD = self._split_heads(qkv_BSX)
         if self.q_layernorm is not None:
             q_BNSD, k_BGSD = self.q_layernorm(q_BNSD), self.k_layernorm(k_BGSD)
         if self.rotary is not None:
@@ -130,7 +162,7 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k_BGSD, v_BGSD = kv_cache.append(k_BGSD, v_BGSD)
         # SDPA's is_causal aligns the mask top-left, so queries after cached keys need an explicit one
-        mask_SK = None if past == 0 or seq == 1 else causal_mask(seq, past, x_BSH.device)
+        mask_SK = None if past == 0 or seq == 1 else causal_mask(seq, past, qkv_BSX.device)
         if self.kv_repeats > 1:
             k_BGSD = k_BGSD.repeat_interleave(self.kv_repeats, dim=1)
             v_BGSD = v_BGSD.repeat_interleave(self.kv_repeats, dim=1)
@@ -162,7 +194,7 @@ def swiglu(x_BSF2: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """Dense MLP: H -> F -> H with GELU, or with --swiglu H -> 2F -> (SwiGLU) F -> H. Works on any leading shape."""
 
-    def __init__(self, config: GPTConfig, ffn_hidden_size: int | None = None) -> None:
+    def __init__(self, config: GPTConfig, ffn_hidden_size: int | None = None, tp: TensorParallel = TensorParallel()) -> None:
         """`ffn_hidden_size` overrides the config's F (shared experts have a width of their own)."""
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_hidden_size
@@ -171,6 +203,10 @@ class MLP(nn.Module):
         self.dense_4h_to_h = nn.Linear(ffn, config.hidden_size, bias=config.add_bias_linear)
         init_linear_(self.dense_h_to_4h, config.init_method_std)
         init_linear_(self.dense_4h_to_h, output_layer_std(config))
+        if tp.enabled:  # SwiGLU's gate and up halves split each on its own
+            self.dense_h_to_4h = ColumnParallelLinear(self.dense_h_to_4h, tp.group, sequence_parallel=tp.sequence_parallel,
+                                                      partition_sizes=[ffn, ffn] if config.swiglu else None)
+            self.dense_4h_to_h = RowParallelLinear(self.dense_4h_to_h, tp.group, sequence_parallel=tp.sequence_parallel)
         self.activation = swiglu if config.swiglu else F.gelu
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
@@ -178,11 +214,11 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: GPTConfig, mlp: nn.Module) -> None:
+    def __init__(self, config: GPTConfig, mlp: nn.Module, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = CausalSelfAttention(config)
-        self.post_attention_layernorm = build_norm(config, config.hidden_size)
+        self.input_layernorm = build_norm(config, config.hidden_size, tp)
+        self.self_attention = CausalSelfAttention(config, tp)
+        self.post_attention_layernorm = build_norm(config, config.hidden_size, tp)
         self.mlp = mlp
         self.dropout = nn.Dropout(config.hidden_dropout)
 

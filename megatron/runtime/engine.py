@@ -263,9 +263,16 @@ class Engine:
             return torch.nn.utils.get_total_norm(grads, foreach=True).float().square()
 
         grid = self.parallel
-        dense_sq, expert_sq = sq_norm(dense_grads), sq_norm(expert_grads)
+        # tensor-parallel slices add up over the group; a gradient every tensor-parallel rank holds
+        # whole counts once
+        split = self.strategy.split_over_tensor_parallel()
+        dense_sq = sq_norm([g for g, s in zip(dense_grads, split) if s])
+        if grid.tp_rank == 0:
+            dense_sq = dense_sq + sq_norm([g for g, s in zip(dense_grads, split) if not s])
+        expert_sq = sq_norm(expert_grads)
         local_nonfinite = ~torch.isfinite(dense_sq + expert_sq)
         self.strategy.sum_square_norms(dense_sq, expert_sq)
+        all_reduce(dense_sq, grid.tp_group)
         all_reduce(expert_sq, grid.ep_group)
         return float(dense_sq + expert_sq), bool(local_nonfinite)
 

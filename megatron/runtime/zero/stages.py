@@ -12,6 +12,7 @@ unless NVMe parameter offload moves their master into swap files (then stage 3 f
 uses on one rank too).
 """
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -22,6 +23,7 @@ from torch import nn
 
 from megatron.config.runtime_schema import AioConfig, ZeroConfig
 from megatron.checkpoint.tensors import ShardedReader, expert_ids
+from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import all_reduce
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.checkpoint import load_partition_state, partition_state_entries
@@ -65,8 +67,10 @@ class ZeroRuntime:
         self.partitions: list[PartitionLayout] = []
         for group in optimizer.param_groups:
             shards = []
-            for is_expert, comm in ((False, dense_group), (True, expert_group)):
-                params = [p for p in group["params"] if (expert_ids(p) is not None) == is_expert]
+            # one partition per class, so that a shard's gradients are all of one kind for the norm
+            for (is_expert, comm), is_split in itertools.product(((False, dense_group), (True, expert_group)), (False, True)):
+                params = [p for p in group["params"]
+                          if (expert_ids(p) is not None) == is_expert and (tensor_parallel_split(p) is not None) == is_split]
                 if not params:
                     continue
                 param_names = [names[p] for p in params]
@@ -148,6 +152,9 @@ class ZeroRuntime:
         """Take the master shards from the model's (whole) parameters, after a load."""
         for part in self.partitions:
             part.copy_from_parameters()
+
+    def split_over_tensor_parallel(self) -> list[bool]:
+        return [tensor_parallel_split(p.params[0]) is not None for p in self.partitions if not p.is_expert]
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         """Each rank's shards are disjoint parts of the gradients: sum over the partitioning groups."""
