@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron.errors import ConfigError
 from megatron.model.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, TensorParallel, TensorParallelSplit, VocabParallelEmbedding,
+    ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
     copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, reduce_from_tp_region,
     reduce_scatter_to_sequence_region, scatter_to_sequence_region, scatter_to_tp_region, shard, sum_gradient_over,
     tensor_parallel_split, tp_rank_and_size, unshard, vocab_parallel_cross_entropy,
@@ -58,8 +58,10 @@ def _full_embedding() -> nn.Embedding:
 
 def _check_split(param: torch.Tensor, group: Group, dim: int, parts: list[int] | None = None) -> None:
     """A sliced parameter records its split once the group has more than one rank."""
-    expected = TensorParallelSplit(dim, None if parts is None else tuple(parts)) if tp_rank_and_size(group)[1] > 1 else None
-    assert tensor_parallel_split(param) == expected, (tensor_parallel_split(param), expected)
+    split, (rank, size) = tensor_parallel_split(param), tp_rank_and_size(group)
+    expected = (dim, None if parts is None else tuple(parts), rank, size) if size > 1 else None
+    got = None if split is None else (split.dim, split.partition_sizes, split.rank, split.size)
+    assert got == expected, (got, expected)
 
 
 def _check_whole_bias(layer: RowParallelLinear, full: nn.Linear) -> None:

@@ -1,6 +1,8 @@
 """Training under tensor parallelism equals training on one process: 10 iterations of the Trainer
 at TP=2 (with and without sequence parallelism, ZeRO 0, 1 and 3) and at TP=2 x DP=2, against the
-single-process run, losses to 1e-5 relative and the whole parameters after the steps."""
+single-process run, losses to 1e-5 relative and the whole parameters after the steps. Checkpoints
+move between the layouts: saved at iteration 5 under one (TP, DP, ZeRO stage) and resumed under
+another, the run ends where the uninterrupted one does, optimizer state included."""
 
 import pytest
 import torch
@@ -52,13 +54,24 @@ def _runs(world: int) -> list[tuple[str, dict[str, object]]]:
             for arch, flags in ARCHITECTURES.items() for sp in (False, True) for stage in (0, 1, 3)]
 
 
-def _on_rank(corpus: str) -> dict[str, torch.Tensor]:
+MODERN_SP = {**ARCHITECTURES["modern"], "sequence_parallel": True}
+
+
+def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     world = dist.get_world_size()
     grid = build_parallel_grid(torch.device("cpu"), tp_size=2)
     out = {}
     for key, flags in _runs(world):
         result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, **flags)
         out.update({f"{key}/{name}": value for name, value in result.items()})
+    # a checkpoint of this layout for the single process, and resumes of the single process's
+    stage = 1 if world == 2 else 3
+    _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, zero_stage=stage, save=f"{folder}/tp2_w{world}",
+           save_interval=5, **MODERN_SP)
+    for resumed_stage in (0, 3):
+        result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, zero_stage=resumed_stage,
+                        load=f"{folder}/serial", ckpt_step=5, **MODERN_SP)
+        out.update({f"resumed{resumed_stage}/{name}": value for name, value in result.items()})
     return out
 
 
@@ -68,14 +81,33 @@ def corpus(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def serial(corpus) -> dict[str, dict[str, torch.Tensor]]:
+def folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tp_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def serial(corpus, folder) -> dict[str, dict[str, torch.Tensor]]:
     grid = single_process_grid(torch.device("cpu"))
-    return {arch: _train(corpus, 1, grid, **flags) for arch, flags in ARCHITECTURES.items()}
+    runs = {arch: _train(corpus, 1, grid, **flags) for arch, flags in ARCHITECTURES.items()}
+    # the modern run again, saving at iteration 5 for the tensor-parallel resumes
+    assert_same(_train(corpus, 1, grid, save=f"{folder}/serial", save_interval=5, **ARCHITECTURES["modern"]), runs["modern"])
+    return runs
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
+    """Parameters equal (round-off of sums in another order), and the losses of the iterations both ran."""
+    torch.testing.assert_close(got["losses"], want["losses"][len(want["losses"]) - len(got["losses"]):], rtol=1e-5, atol=0,
+                               msg=f"{what}losses")
+    for name, value in want.items():
+        if name != "losses":
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=2e-6, msg=f"{what}{name}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_training_equals_one_process(corpus, serial, world: int) -> None:
-    results = run_distributed(_on_rank, world, corpus)
+def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_between_layouts(
+    corpus, serial, folder, world: int,
+) -> None:
+    results = run_distributed(_on_rank, world, corpus, folder)
     for key, _ in _runs(world):
         want = serial[key.split("/")[0]]
         assert len(want["losses"]) == 10
@@ -87,11 +119,21 @@ def test_tensor_parallel_training_equals_one_process(corpus, serial, world: int)
                 if name != "losses":  # the split GEMMs and the vocabulary-parallel loss sum in another order
                     torch.testing.assert_close(result[f"{key}/{name}"], value, rtol=1e-5, atol=2e-6,
                                                msg=f"rank {rank} {key}/{name}")
+    # the single process's checkpoint resumed under TP=2 at stage 0 and 3 (losses of DP shares averaged)
+    for stage in (0, 3):
+        resumed = {name[len(f"resumed{stage}/"):]: value for name, value in results[0].items() if name.startswith(f"resumed{stage}/")}
+        resumed["losses"] = torch.stack([r[f"resumed{stage}/losses"] for r in results]).mean(0)
+        assert len(resumed["losses"]) == 5
+        assert_same(resumed, serial["modern"], f"TP=2 x DP={world // 2} resumed at stage {stage} from one process: ")
+    # and this layout's checkpoint resumed by one process, at stage 0 and stage 3
+    grid = single_process_grid(torch.device("cpu"))
+    for stage in (0, 3):
+        resumed = _train(corpus, 1, grid, zero_stage=stage, load=f"{folder}/tp2_w{world}", ckpt_step=5, **ARCHITECTURES["modern"])
+        assert_same(resumed, serial["modern"], f"one process at stage {stage} resumed from TP=2 x DP={world // 2}: ")
 
 
 @pytest.mark.parametrize("flags, message", [
     ({"sequence_parallel": True}, "--sequence-parallel splits the activations between tensor-parallel regions"),
-    ({"tensor_model_parallel_size": 2, "save": "ckpt"}, "checkpoints under --tensor-model-parallel-size 2 are not built yet"),
     ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 2: pipeline parallelism is not built yet"),
     ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet"),
 ])

@@ -24,6 +24,11 @@ from safetensors.torch import save_file
 
 from megatron.checkpoint.layout import rank_files
 from megatron.errors import CheckpointError
+from megatron.model.tensor_parallel import TP_SLICE_MARK, tensor_parallel_split, unshard
+
+SLICE_ENTRY = re.compile(rf"(?P<name>.+){TP_SLICE_MARK}0of(?P<count>\d+)")
+# a tensor-parallel tensor's split as engine.json records it: name -> (dim, partition sizes or None)
+SplitTable = dict[str, tuple[int, tuple[int, ...] | None]]
 
 
 Item = TypeVar("Item")
@@ -67,7 +72,10 @@ def open_tensors(path: Path) -> Iterator[Any]:
 class ShardedReader:
     """Reads entries by name from every `{stem}_rank*.safetensors` file of a checkpoint folder."""
 
-    def __init__(self, folder: Path, stem: str) -> None:
+    def __init__(self, folder: Path, stem: str, splits: SplitTable | None = None) -> None:
+        """`splits`: how the saving run split its tensor-parallel tensors, for entries it saved as
+        slices (`name~tp{r}of{n}`)."""
+        self.splits = splits or {}
         self.files = rank_files(folder, stem)
         if not self.files:
             raise CheckpointError(f"no {stem}_rank*.safetensors in {folder}; the checkpoint is incomplete, load an earlier one")
@@ -81,6 +89,11 @@ class ShardedReader:
             if at:
                 start, stop = span.split(":")
                 self.pieces.setdefault(whole, []).append((int(start), int(stop), key))
+        # how many tensor-parallel slices each entry saved as slices has: "name~tp0of2" -> name: 2
+        self.slice_counts: dict[str, int] = {}
+        for key in (*self.file_of, *self.pieces):
+            if match := SLICE_ENTRY.fullmatch(key):
+                self.slice_counts[match["name"]] = int(match["count"])
 
     def has(self, key: str) -> bool:
         return key in self.file_of or key in self.pieces
@@ -108,6 +121,29 @@ class ShardedReader:
         flat = torch.cat(parts)
         return flat if shape is None else flat.reshape(shape)
 
+    def get_whole(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """Entry `name` as TP=1 holds it (`shape`), saved whole or as tensor-parallel slices."""
+        if self.has(name):
+            return self.get(name, shape)
+        base, count = name.split("/", 1)[-1], self.slice_counts.get(name)
+        if count is None or base not in self.splits:
+            return self.get(name, shape)  # the error that names the missing entry
+        dim, parts = self.splits[base]
+        slice_shape = list(shape)
+        slice_shape[dim] //= count
+        return unshard([self.get(f"{name}{TP_SLICE_MARK}{r}of{count}", torch.Size(slice_shape)) for r in range(count)],
+                       dim, parts)
+
+    def get_like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Entry `name` in the layout `tensor` has on this rank (whole, or its tensor-parallel slice),
+        whatever layout the checkpoint was saved in."""
+        split = tensor_parallel_split(tensor)
+        if split is None:
+            return self.get_whole(name, tensor.shape)
+        if self.has(own := split.entry_name(name)):  # saved under this very layout
+            return self.get(own, tensor.shape)
+        return split.slice_of(self.get_whole(name, split.whole_shape(tensor.shape)))
+
     def get_global(self, name: str, ids: tuple[int, ...] | None, shape: torch.Size | None = None) -> torch.Tensor:
         if ids is None or self.has(name):
             return self.get(name, shape)
@@ -118,12 +154,27 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as TP=1 holds it: a tensor-parallel slice is gathered from its group (a collective
+    every rank of the group takes part in)."""
+    split = tensor_parallel_split(tensor)
+    return tensor.detach() if split is None else split.whole_of(tensor.detach())
+
+
+def tensor_parallel_splits(module: torch.nn.Module) -> SplitTable:
+    """How the module's tensor-parallel parameters are split, by name, for engine.json."""
+    return {name: (split.dim, split.partition_sizes) for name, param in module.named_parameters()
+            if (split := tensor_parallel_split(param)) is not None}
+
+
 def model_entries(module: torch.nn.Module, owns_dense: bool, owns_experts: bool) -> dict[str, torch.Tensor]:
+    """Every tensor whole under its global name (experts one entry each), of the classes this rank owns."""
     entries: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         ids = expert_ids(tensor)
+        value = whole_tensor(tensor)
         if owns_experts if ids else owns_dense:
-            entries.update(global_entries(name, tensor.detach(), ids))
+            entries.update(global_entries(name, value, ids))
     return entries
 
 
@@ -132,28 +183,32 @@ def load_model_entries(module: torch.nn.Module, reader: ShardedReader) -> None:
     loaded = {}
     for name, tensor in own.items():
         value = reader.get_global(name, expert_ids(tensor))
-        if value.shape != tensor.shape:
+        split = tensor_parallel_split(tensor)
+        expected = tensor.shape if split is None else split.whole_shape(tensor.shape)
+        if value.shape != expected:
             raise CheckpointError(
                 f"parameter {name} in {reader.files[0].parent} has shape {tuple(value.shape)} but this model's "
-                f"is {tuple(tensor.shape)}; use the same model flags as the run that saved it"
+                f"is {tuple(expected)}; use the same model flags as the run that saved it"
             )
-        loaded[name] = value
+        loaded[name] = value if split is None else split.slice_of(value)
     module.load_state_dict(loaded)
 
 
 def optimizer_entries(
     optimizer: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str], owns_dense: bool, owns_experts: bool
 ) -> dict[str, torch.Tensor]:
-    """Optimizer state as global entries `state_key/param_name[...]`."""
+    """Optimizer state as global entries `state_key/param_name[...]`, whole."""
     entries: dict[str, torch.Tensor] = {}
     for param, state in optimizer.state.items():
         ids = expert_ids(param)
-        if not (owns_experts if ids else owns_dense):
-            continue
+        split = tensor_parallel_split(param)
         for key, value in state.items():
             if not torch.is_tensor(value):
                 raise CheckpointError(f"optimizer state {key!r} is not a tensor; this optimizer cannot be checkpointed")
-            entries.update(global_entries(f"{key}/{names[param]}", value, ids))
+            if split is not None and value.dim() > 0:  # every tensor-parallel rank gathers; the owner keeps
+                value = split.whole_of(value)
+            if owns_experts if ids else owns_dense:
+                entries.update(global_entries(f"{key}/{names[param]}", value, ids))
     return entries
 
 
@@ -187,10 +242,18 @@ def load_optimizer_entries(
     """Each parameter's state, whether saved whole or in ZeRO pieces."""
     state_keys = optimizer_state_keys(reader)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {
-        index: {key: reader.get_global(f"{key}/{names[p]}", expert_ids(p), p.shape) for key in state_keys[names[p]]}
-        for index, p in enumerate(params) if names[p] in state_keys
-    }
+    def value(key: str, param: torch.nn.Parameter) -> torch.Tensor:
+        name, split = f"{key}/{names[param]}", tensor_parallel_split(param)
+        if split is None:
+            ids = expert_ids(param)
+            return reader.get_global(name, ids, param.shape) if ids else reader.get_whole(name, param.shape)
+        if not reader.has(name):  # saved as tensor-parallel slices
+            return reader.get_like(name, param)
+        whole = reader.get(name)
+        return whole if whole.dim() == 0 else split.slice_of(whole.reshape(split.whole_shape(param.shape)))
+
+    state = {index: {key: value(key, p) for key in state_keys[names[p]]}
+             for index, p in enumerate(params) if names[p] in state_keys}
     load_optimizer_state(optimizer, state, saved_groups)
 
 
@@ -199,7 +262,7 @@ def optimizer_state_keys(reader: ShardedReader) -> dict[str, set[str]]:
     state_keys: dict[str, set[str]] = {}
     for entry in reader.file_of:
         key, name = entry.split("/", 1)
-        state_keys.setdefault(re.split(r"[\[@]", name, maxsplit=1)[0], set()).add(key)
+        state_keys.setdefault(re.split(r"[\[@~]", name, maxsplit=1)[0], set()).add(key)
     return state_keys
 
 

@@ -415,9 +415,6 @@ def _check_model_parallel_flags(args: argparse.Namespace) -> None:
                           "add --tensor-model-parallel-size N (N > 1) or drop it")
     if tp == 1:
         return
-    if args.save or args.load:
-        raise ConfigError(f"checkpoints under --tensor-model-parallel-size {tp} are not built yet; "
-                          "drop --save and --load, or train with --tensor-model-parallel-size 1")
     if args.load_teacher is not None:
         raise ConfigError(f"MoS distillation under --tensor-model-parallel-size {tp} is not built yet; "
                           "distil with --tensor-model-parallel-size 1")

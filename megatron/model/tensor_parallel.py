@@ -53,12 +53,36 @@ class TensorParallel:
         return self.size > 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorParallelSplit:
     """How a parameter is split over the tensor-parallel group: along `dim`, each of the parts of
-    `partition_sizes` (full widths) on its own, or the whole dim as one part when None."""
+    `partition_sizes` (full widths) on its own, or the whole dim as one part when None; this rank
+    holds slice `rank` of `size`. Checkpoints use it to save and load whole tensors, or this rank's
+    slice under `entry_name`, whatever the tensor-parallel size of the run that reads them."""
     dim: int
-    partition_sizes: tuple[int, ...] | None = None
+    partition_sizes: tuple[int, ...] | None
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+    def slice_of(self, whole: torch.Tensor) -> torch.Tensor:
+        return shard(whole, self.dim, self.rank, self.size, self.partition_sizes)
+
+    def whole_of(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's slice (a collective over the group)."""
+        return unshard(_gather_list(piece, self.group), self.dim, self.partition_sizes)
+
+    def whole_shape(self, piece_shape: torch.Size) -> torch.Size:
+        shape = list(piece_shape)
+        shape[self.dim] *= self.size
+        return torch.Size(shape)
+
+    def entry_name(self, name: str, rank: int | None = None, size: int | None = None) -> str:
+        """The checkpoint name of slice `rank` of `size` (default: this rank's) of tensor `name`."""
+        return f"{name}{TP_SLICE_MARK}{self.rank if rank is None else rank}of{self.size if size is None else size}"
+
+
+TP_SLICE_MARK = "~tp"  # "exp_avg/layers.0.dense.weight~tp1of2": slice 1 of 2
 
 
 def tensor_parallel_split(tensor: torch.Tensor) -> TensorParallelSplit | None:
@@ -132,11 +156,15 @@ def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return chunks[rank]
 
 
-def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _gather_list(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, x, group=group)
-    return torch.cat(pieces, dim)
+    return pieces
+
+
+def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return torch.cat(_gather_list(x, group), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -206,14 +234,15 @@ def reduce_scatter_to_sequence_region(x_BSH: torch.Tensor, group: dist.ProcessGr
     return _map(x_BSH, _reduce_scatter, _gather, SEQUENCE_DIM, group)
 
 
-def _slice_parameter(full: torch.Tensor | None, dim: int, rank: int, size: int,
+def _slice_parameter(full: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None,
                      partition_sizes: Sequence[int] | None = None) -> nn.Parameter | None:
     if full is None:
         return None
+    rank, size = tp_rank_and_size(group)
     param = nn.Parameter(shard(full.detach(), dim, rank, size, partition_sizes), requires_grad=full.requires_grad)
     if size > 1:
         parts = tuple(partition_sizes) if partition_sizes is not None and len(partition_sizes) > 1 else None
-        param.tensor_parallel_split = TensorParallelSplit(dim, parts)
+        param.tensor_parallel_split = TensorParallelSplit(dim, parts, rank, size, group)
     return param
 
 
@@ -231,10 +260,10 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, partition_sizes: Sequence[int] | None = None) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
-        rank, size = tp_rank_and_size(group)
+        size = tp_rank_and_size(group)[1]
         self.partition_sizes = _partition(full.out_features, size, partition_sizes, "ColumnParallelLinear's out_features", LINEAR_FIX)
-        self.weight = _slice_parameter(full.weight, 0, rank, size, self.partition_sizes)
-        self.bias = _slice_parameter(full.bias, 0, rank, size, self.partition_sizes)
+        self.weight = _slice_parameter(full.weight, 0, group, self.partition_sizes)
+        self.bias = _slice_parameter(full.bias, 0, group, self.partition_sizes)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -263,9 +292,8 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
-        rank, size = tp_rank_and_size(group)
-        _partition(full.in_features, size, None, "RowParallelLinear's in_features", LINEAR_FIX)
-        self.weight = _slice_parameter(full.weight, 1, rank, size)
+        _partition(full.in_features, tp_rank_and_size(group)[1], None, "RowParallelLinear's in_features", LINEAR_FIX)
+        self.weight = _slice_parameter(full.weight, 1, group)
         self.bias = full.bias  # whole on every rank, added once after the sum
 
     def forward(self, x_BSi: torch.Tensor) -> torch.Tensor:
@@ -296,7 +324,7 @@ class VocabParallelEmbedding(nn.Module):
         _partition(full.num_embeddings, size, None, "the vocabulary size",
                    "pad the vocabulary to a multiple of it with --make-vocab-size-divisible-by")
         self.vocab_start = rank * (full.num_embeddings // size)
-        self.weight = _slice_parameter(full.weight, 0, rank, size)
+        self.weight = _slice_parameter(full.weight, 0, group)
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         if is_parallel(self.group):

@@ -38,6 +38,7 @@ from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.tensors import (
     ShardedReader, expert_ids, load_model_entries, load_rng_state, model_entries, optimizer_groups, save_tensors,
+    tensor_parallel_splits,
 )
 from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
 
@@ -346,7 +347,8 @@ class Engine:
             "skipped_steps": self.skipped_steps, "optimizer_groups": optim_groups,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
-            "dp_size": grid.dp_size, "ep_size": grid.ep_size,
+            "dp_size": grid.dp_size, "ep_size": grid.ep_size, "tp_size": grid.tp_size,
+            "tensor_parallel_splits": tensor_parallel_splits(self.module),
         } if grid.is_first_rank else None
         return EngineState(model, optim, meta, grid, self.strategy.stage, self.precision)
 
@@ -419,7 +421,7 @@ class Engine:
                 print(f" > {folder} holds weights only: the optimizer, loss scale and LR schedule start afresh",
                       flush=True)
         if load_optimizer:
-            reader = ShardedReader(folder, OPTIMIZER)
+            reader = ShardedReader(folder, OPTIMIZER, meta.get("tensor_parallel_splits"))
             given = optimizer_groups(self.optimizer)
             self.strategy.load_optimizer_state(reader, meta["optimizer_groups"])
             if self.lr_scheduler is not None and meta["lr_scheduler"] is not None:

@@ -84,4 +84,4 @@ def build_strategy(
     if config.zero_optimization.stage == 0:
         return Replicated(module, optimizer, grid)
     return ZeroRuntime(module, optimizer, config.zero_optimization, grid.dp_group, grid.expert_dp_group,
-                       config.aio, grid.rank)
+                       config.aio, grid.rank, grid.tp_rank)

@@ -3,9 +3,10 @@
 Each rank writes the elements of each parameter's state that its shards own, as
 `state_key/param_name@start:stop` over the flattened parameter (experts per global id,
 `param_name[g]@start:stop`); scalar state such as Adam's step is written whole as `state_key/param_name`,
-as without ZeRO. Loading joins every parameter's pieces (or takes its whole entry from a run
-without ZeRO) and cuts this rank's slices out of them, so the data-parallel size and the stage
-may change between save and load.
+as without ZeRO. A tensor-parallel slice is a tensor of its own, `name~tp{r}of{n}`. Loading joins
+every parameter's pieces (or takes its whole entry from a run without ZeRO, or joins a saved
+tensor-parallel size's slices) and cuts this rank's slices out of them, so the data-parallel and
+tensor-parallel sizes and the stage may change between save and load.
 """
 
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.tensors import ShardedReader, load_optimizer_state, optimizer_state_keys
+from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.runtime.zero.layout import PartitionLayout
 
 
@@ -48,8 +50,25 @@ def _shard_value(reader: ShardedReader, part: PartitionLayout, key: str) -> torc
     if whole in reader.file_of and (scalar := reader.get(whole)).dim() == 0:  # Adam's step
         return scalar
     value = torch.zeros_like(part.shard)  # the padding past the last parameter stays zero
+    read: dict[str, torch.Tensor] = {}
     for piece in part.pieces():
-        flat = reader.get(f"{key}/{piece.name}").reshape(-1)
+        if piece.name not in read:
+            read[piece.name] = _flat_entry(reader, part, key, piece.name)
+        flat = read[piece.name]
         value[piece.shard_start:piece.shard_start + piece.stop - piece.start] = flat[piece.start:piece.stop]
     return value
+
+
+def _flat_entry(reader: ShardedReader, part: PartitionLayout, key: str, unit: str) -> torch.Tensor:
+    """The state of one unit of the partition (a tensor, this rank's tensor-parallel slice of one,
+    or one expert) flattened, from a checkpoint saved under this layout or any other tensor-parallel size."""
+    if reader.has(f"{key}/{unit}"):
+        return reader.get(f"{key}/{unit}").reshape(-1)
+    for name, param, shape in zip(part.names, part.params, part.shapes):
+        split = tensor_parallel_split(param)
+        if unit == (name if split is None else split.entry_name(name)):
+            if split is None:
+                return reader.get_whole(f"{key}/{name}", shape).reshape(-1)
+            return split.slice_of(reader.get_whole(f"{key}/{name}", split.whole_shape(shape))).reshape(-1)
+    return reader.get(f"{key}/{unit}")  # the error that names the missing entry
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpoint.tensors import expert_ids
+from megatron.model.tensor_parallel import tensor_parallel_split
 
 
 @dataclass(frozen=True)
@@ -136,13 +137,15 @@ class PartitionLayout:
         return work, lambda: slot.add_(received)
 
     def pieces(self) -> Iterator[Piece]:
-        """This rank's share of each model tensor, experts one by one under their global ids."""
+        """This rank's share of each model tensor, experts one by one under their global ids, a
+        tensor-parallel slice under its slice's name."""
         for bucket in self.buckets:
             lo = bucket.flat_start + self.rank * bucket.chunk
             hi = lo + bucket.chunk
             for index in bucket.params:
-                ids = expert_ids(self.params[index])
-                units = [(self.names[index], 0)] if ids is None else [(f"{self.names[index]}[{g}]", i) for i, g in enumerate(ids)]
+                ids, split = expert_ids(self.params[index]), tensor_parallel_split(self.params[index])
+                name = self.names[index] if split is None else split.entry_name(self.names[index])
+                units = [(name, 0)] if ids is None else [(f"{self.names[index]}[{g}]", i) for i, g in enumerate(ids)]
                 unit_numel = self.numels[index] // len(units)
                 for unit_name, position in units:
                     begin = self.param_offsets[index] + position * unit_numel

@@ -48,12 +48,13 @@ class ZeroRuntime:
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
         dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
-        aio: AioConfig, rank: int,
+        aio: AioConfig, rank: int, tp_rank: int = 0,
     ) -> None:
         """Partition each optimizer group's dense and expert parameters, and point the optimizer
         at the shards instead. The optimizer object and its groups stay the same (an LR schedule
         already holds them); each group now holds one shard per class."""
         self.stage = config.stage
+        self.tp_rank = tp_rank
         self.optimizer = optimizer
         self.dense_group, self.expert_group = dense_group, expert_group
         offload_param = config.offload_param
@@ -162,8 +163,10 @@ class ZeroRuntime:
         all_reduce(expert_sq, self.expert_group)
 
     def optimizer_state(self, owns_dense: bool, owns_experts: bool) -> dict[str, torch.Tensor]:
-        """Every rank owns a slice of the optimizer state, whatever it owns of the model."""
-        return partition_state_entries(self.optimizer, self.partitions)
+        """Every rank owns a slice of the optimizer state, whatever it owns of the model; the state of
+        parameters every tensor-parallel rank holds whole is written by the first of them."""
+        written = [p for p in self.partitions if self.tp_rank == 0 or tensor_parallel_split(p.params[0]) is not None]
+        return partition_state_entries(self.optimizer, written)
 
     def load_optimizer_state(self, reader: ShardedReader, saved_groups: list[dict[str, Any]]) -> None:
         load_partition_state(self.optimizer, self.partitions, reader, saved_groups)
