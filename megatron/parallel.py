@@ -59,6 +59,9 @@ class ParallelGrid:
     # First and last pipeline stage at this tp/dp position, which both hold the tied embedding;
     # None without pipeline parallelism and on the stages in between.
     embedding_group: dist.ProcessGroup | None = None
+    # every rank of this pipeline stage (tp x dp): the ranks that share out a global batch's tokens,
+    # each sequence's positions over tp under sequence parallelism; the data-parallel group when tp = 1
+    stage_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_rank(self) -> bool:
@@ -107,6 +110,7 @@ class RankLayout:
     dp: Groups
     pp: Groups
     embedding: Groups
+    stage: Groups
     expert_tp: Groups
     ep: Groups
     expert_dp: Groups
@@ -152,6 +156,7 @@ def rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: in
     return RankLayout(
         tp=_axis_groups(dense, 0), dp=_axis_groups(dense, 1), pp=pp,
         embedding=tuple((ranks[0], ranks[-1]) for ranks in pp) if pp_size > 1 else (),
+        stage=tuple(tuple(range(first, first + world_size // pp_size)) for first in range(0, world_size, world_size // pp_size)),
         expert_tp=_axis_groups(experts, 0), ep=_axis_groups(experts, 1), expert_dp=_axis_groups(experts, 2),
     )
 
@@ -217,6 +222,7 @@ def build_parallel_grid(device: torch.device | None = None, ep_size: int = 1, tp
     dp_group = dist.group.WORLD if dp_size == world_size else _own_group(layout.dp, rank)
     tp_group, pp_group = _own_group(layout.tp, rank), _own_group(layout.pp, rank)
     embedding_group = _own_group(layout.embedding, rank)
+    stage_group = dp_group if tp_size == 1 else dist.group.WORLD if pp_size == 1 else _own_group(layout.stage, rank)
     expert_tp_group, ep_group = _own_group(layout.expert_tp, rank), _own_group(layout.ep, rank)
     expert_dp_group = _own_group(layout.expert_dp, rank)
     return ParallelGrid(
@@ -227,5 +233,5 @@ def build_parallel_grid(device: torch.device | None = None, ep_size: int = 1, tp
         tp_size=tp_size, tp_rank=position_in(layout.tp, rank), tp_group=tp_group,
         pp_size=pp_size, pp_rank=position_in(layout.pp, rank), pp_group=pp_group,
         expert_tp_size=expert_tp_size, expert_tp_rank=position_in(layout.expert_tp, rank),
-        expert_tp_group=expert_tp_group, embedding_group=embedding_group,
+        expert_tp_group=expert_tp_group, embedding_group=embedding_group, stage_group=stage_group,
     )

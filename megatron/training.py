@@ -254,7 +254,7 @@ class Trainer:
             self.engine.step()
             self.moe_monitor.accumulate()
             total += torch.stack([loss.detach(), router_loss.detach(), kd.detach()])
-        update_expert_biases(self.engine.module, self.grid.dp_group, step_taken=not self.engine.last_step_skipped)
+        update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
 
     @torch.no_grad()
@@ -365,7 +365,7 @@ class Trainer:
                     "tokens_per_second": t.tokens_per_iteration / seconds,
                     "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
                 })
-                self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.dp_group))
+                self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group))
                 interval_losses.clear()
                 interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
             if exit_reason:

@@ -13,12 +13,19 @@ from megatron.model.tensor_parallel import tensor_parallel_split, unshard
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 
 ARCHITECTURES = {
     "classic": {},
     "modern": {"swiglu": True, "disable_bias_linear": True, "normalization": "RMSNorm", "group_query_attention": True,
                "num_query_groups": 2, "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True},
+    # dropless and without DeepSpeed's random second expert: capacity counts each rank's tokens under
+    # sequence parallelism (as in Megatron-Core) and each rank draws its own noise, so only then is
+    # the routing that of one process
+    "moe": {"num_experts": 4, "topk": 2, "disable_moe_token_dropping": True, "moe_z_loss_coeff": 1e-2,
+            "disable_moe_top2_2nd_expert_sampling": True},
+    "modern_moe": {**MODERN_MOE, "disable_moe_token_dropping": True, "moe_router_load_balancing_type": "seq_aux_loss",
+                   "moe_router_bias_update_rate": 1e-2},
 }
 # the padded vocabulary (61 -> 64) is a multiple of 32 x TP, so TP=1 and TP=2 build the same model
 COMMON = dict(train_iters=10, micro_batch_size=2, global_batch_size=4, hidden_dropout=0.0, attention_dropout=0.0,
@@ -47,11 +54,18 @@ def _train(corpus: str, dp_size: int, grid, **flags: object) -> dict[str, torch.
 
 
 def _runs(world: int) -> list[tuple[str, dict[str, object]]]:
-    if world == 4:  # TP=2 x DP=2
+    if world == 4:  # TP=2 x DP=2, and with MoE EP=2 inside it
         return [(f"modern/sp1/zero{stage}", {**ARCHITECTURES["modern"], "sequence_parallel": True, "zero_stage": stage})
-                for stage in (1, 3)]
-    return [(f"{arch}/sp{int(sp)}/zero{stage}", {**flags, "sequence_parallel": sp, "zero_stage": stage})
-            for arch, flags in ARCHITECTURES.items() for sp in (False, True) for stage in (0, 1, 3)]
+                for stage in (1, 3)] + [
+            (f"{arch}/ep2/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
+                                         "moe_expert_parallel_size": 2}) for arch, stage in (("moe", 1), ("modern_moe", 3))]
+    dense = [(f"{arch}/sp{int(sp)}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": sp, "zero_stage": stage})
+             for arch in ("classic", "modern") for sp in (False, True) for stage in (0, 1, 3)]
+    # MoE under tensor parallelism needs sequence parallelism; experts whole on both ranks (EP=1) or split (EP=2)
+    moe = [(f"{arch}/ep{ep}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
+                                           "moe_expert_parallel_size": ep})
+           for arch in ("moe", "modern_moe") for ep, stage in ((1, 0), (2, 1), (2, 3))]
+    return dense + moe
 
 
 MODERN_SP = {**ARCHITECTURES["modern"], "sequence_parallel": True}

@@ -35,9 +35,9 @@ class GPTModel(nn.Module):
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the padded tokenizer vocabulary) before building the model")
-        if tp.enabled and config.is_moe:
-            raise ConfigError(f"MoE layers under --tensor-model-parallel-size {tp.size} are not built yet; "
-                              "train MoE models with --tensor-model-parallel-size 1 (data and expert parallelism)")
+        if tp.enabled and config.is_moe and not tp.sequence_parallel:  # Megatron-Core's rule too
+            raise ConfigError(f"MoE layers under --tensor-model-parallel-size {tp.size} route each rank's share of the "
+                              "sequence; add --sequence-parallel")
         self.config = config
         self.tp = tp
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -69,6 +69,7 @@ class GPTModel(nn.Module):
             init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
             shared_expert=GPTModel._shared_expert(config), swiglu=config.swiglu, bias=config.add_bias_linear,
+            sequence_group=tp.group if tp.sequence_parallel else None,
         )
 
     @staticmethod

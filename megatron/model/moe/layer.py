@@ -1,6 +1,10 @@
 """The MoE layer: router -> dispatch (sort, all-to-all) -> grouped experts -> combine, with an
 optional PR-MoE residual MLP or shared experts. Self-contained: it takes its expert-parallel group explicitly and
-knows nothing of training, checkpoints or the engine.
+knows nothing of training, checkpoints or the engine. Under sequence parallelism (`sequence_group`)
+each rank routes its share of every sequence: the balancing and z-losses are the whole sequences',
+and the gradients of the layer's dense weights (router, residual MLP, shared experts), which see
+only this rank's tokens, are summed over the group. Experts see every rank's tokens through the
+expert-parallel all-to-all, or are summed over their expert-data-parallel group.
 
 Legend: B batch, S sequence, H hidden, T = B * S tokens, E experts in the layer.
 """
@@ -11,12 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.errors import ConfigError
+from megatron.model.moe.balancing import token_mean
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.dispatch import (
     combine, exchange_counts, return_from_expert_ranks, route_by_expert, send_to_expert_ranks, sort_by_expert,
 )
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import Router
+from megatron.model.tensor_parallel import sum_gradient_over
 
 
 class MoELayer(nn.Module):
@@ -33,6 +39,7 @@ class MoELayer(nn.Module):
         shared_expert: nn.Module | None = None,
         swiglu: bool = False,
         bias: bool = True,
+        sequence_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`swiglu` and `bias` shape the experts (see `GroupedExperts`)."""
         super().__init__()
@@ -57,12 +64,17 @@ class MoELayer(nn.Module):
         self.residual_mlp = residual_mlp
         self.shared_expert = shared_expert
         self.coefficient = nn.Linear(hidden_size, 2) if config.use_residual else None
+        self.sequence_group = sequence_group
+        dense = [self.router, self.coefficient, self.residual_mlp, self.shared_expert]
+        for param in (p for module in dense if module is not None for p in module.parameters()):
+            sum_gradient_over(param, sequence_group)
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the output [B, S, H] and this layer's weighted router loss (aux + z-loss)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        gating, logits_TE = self.router(x_TH, self.ep_group, num_sequences=x_BSH.shape[0])
+        gating, logits_TE = self.router(x_TH, self.ep_group, num_sequences=x_BSH.shape[0],
+                                        sequence_group=self.sequence_group)
         # with experts on other ranks, their row counts travel while the rows are sorted
         counts = exchange_counts(gating, self.num_experts, self.ep_group) if self.ep_group is not None else None
         if counts is None:  # the experts gather their rows themselves, a block at a time
@@ -80,7 +92,7 @@ class MoELayer(nn.Module):
             out_TH = out_TH + self.shared_expert(x_TH)
         loss = self.config.aux_loss_coeff * gating.l_aux
         if self.config.z_loss_coeff > 0:
-            loss = loss + self.config.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
+            loss = loss + self.config.z_loss_coeff * token_mean(torch.logsumexp(logits_TE, dim=-1).square(), 0, self.sequence_group)
         self._record(gating, logits_TE)
         return out_TH.view_as(x_BSH).to(x_BSH.dtype), loss
 

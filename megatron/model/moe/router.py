@@ -88,6 +88,7 @@ def topk_gating(
     sample_second_expert: bool = False,
     ep_group: dist.ProcessGroup | None = None,
     drop_policy: str = "probs",
+    sequence_group: dist.ProcessGroup | None = None,
 ) -> Gating:
     """Route S tokens given router logits [S, E]. Everything here is fp32.
 
@@ -97,6 +98,10 @@ def topk_gating(
     `ep_group` is accepted for DeepSpeed's signature: without dropping, DeepSpeed max-reduces the
     capacity over the expert-parallel group to size its padded buffers; the sort dispatcher
     sends exactly the routed tokens, so keeping every token needs no common capacity.
+
+    `sequence_group`: the ranks that share each sequence's positions (sequence parallelism); the
+    auxiliary loss is then the whole sequences', while the capacity counts this rank's tokens, as in
+    Megatron-Core.
     """
     logits_SE = logits.float()
     num_tokens, num_experts = logits_SE.shape
@@ -106,7 +111,7 @@ def topk_gating(
     if k == 1:
         scores = logits_SE + gumbel_like(logits_SE) if noisy_gate_policy == "RSample" else gates_SE
         expert_S = scores.argmax(dim=1)
-        l_aux = load_balancing_loss(gates_SE, expert_S, 1)
+        l_aux = load_balancing_loss(gates_SE, expert_S, 1, sequence_group)
         keep_S = torch.ones_like(expert_S, dtype=torch.bool)
         if drop_tokens:
             priority = torch.rand(num_tokens, device=logits.device) if use_rts else -token_S.float()
@@ -119,7 +124,7 @@ def topk_gating(
         first_S = gates_SE.argmax(dim=1)
         second_logits = logits_SE + gumbel_like(logits_SE) if sample_second_expert else logits_SE
         second_S = second_logits.scatter(1, first_S[:, None], float("-inf")).argmax(dim=1)
-        l_aux = load_balancing_loss(gates_SE, first_S, 1)
+        l_aux = load_balancing_loss(gates_SE, first_S, 1, sequence_group)
         first_counts_E = torch.bincount(first_S, minlength=num_experts)
         # every first choice takes its slot before any second choice, each in token order
         slots_S2 = torch.stack([
@@ -135,7 +140,7 @@ def topk_gating(
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"unknown drop_policy {drop_policy!r}; use probs or position")
     probs_SK, expert_SK = torch.topk(gates_SE, k, dim=1)
-    l_aux = load_balancing_loss(gates_SE, expert_SK.flatten(), k)
+    l_aux = load_balancing_loss(gates_SE, expert_SK.flatten(), k, sequence_group)
     keep_N = within_capacity(expert_SK.flatten(), probs_SK.flatten(), num_experts, cap if drop_tokens else None, drop_policy)
     gate_SK = probs_SK * keep_N.view(num_tokens, k)
     gate_SK = gate_SK / gate_SK.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
@@ -179,21 +184,23 @@ class Router(nn.Module):
                              persistent=False)
 
     def forward(self, x_SH: torch.Tensor, ep_group: dist.ProcessGroup | None = None,
-                num_sequences: int = 1) -> tuple[Gating, torch.Tensor]:
+                num_sequences: int = 1, sequence_group: dist.ProcessGroup | None = None) -> tuple[Gating, torch.Tensor]:
         """Returns the gating and the router logits [S, E] (fp32). The S tokens are `num_sequences`
-        sequences one after the other (for seq_aux_loss)."""
+        sequences one after the other (for seq_aux_loss), or under sequence parallelism this rank's
+        share of each, the rest on the other ranks of `sequence_group`."""
         c = self.config
         with torch.autocast(device_type=x_SH.device.type, enabled=False):
             x_SH = x_SH.float()
             if self.training and c.noisy_gate_policy == "Jitter":
                 x_SH = x_SH * torch.empty_like(x_SH).uniform_(0.99, 1.01)
             logits_SE = F.linear(x_SH, self.weight.float())
-        gating = self._route(logits_SE, ep_group, num_sequences)
+        gating = self._route(logits_SE, ep_group, num_sequences, sequence_group)
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += gating.tokens_per_expert
         return gating, logits_SE
 
-    def _route(self, logits_SE: torch.Tensor, ep_group: dist.ProcessGroup | None, num_sequences: int) -> Gating:
+    def _route(self, logits_SE: torch.Tensor, ep_group: dist.ProcessGroup | None, num_sequences: int,
+               sequence_group: dist.ProcessGroup | None) -> Gating:
         c = self.config
         capacity_factor = c.train_capacity_factor if self.training else c.eval_capacity_factor
         if not c.megatron_core_routing:
@@ -201,16 +208,16 @@ class Router(nn.Module):
                 logits_SE, c.topk, capacity_factor, c.min_capacity, drop_tokens=c.drop_tokens,
                 use_rts=c.use_rts and self.training, noisy_gate_policy=c.noisy_gate_policy if self.training else None,
                 sample_second_expert=c.sample_second_expert and self.training, ep_group=ep_group,
-                drop_policy=c.drop_policy,
+                drop_policy=c.drop_policy, sequence_group=sequence_group,
             )
             if c.router_load_balancing_type == "aux_loss":  # DeepSpeed's own
                 return gating
-            return gating._replace(l_aux=balancing_loss(logits_SE, c, num_sequences))
+            return gating._replace(l_aux=balancing_loss(logits_SE, c, num_sequences, sequence_group))
         gates_SK, expert_SK = score_topk(logits_SE, c, self.expert_bias)
         num_tokens, num_experts = logits_SE.shape
         cap = capacity(num_tokens, num_experts, c.topk, capacity_factor, c.min_capacity) if c.drop_tokens else None
         return capacity_gating(expert_SK, gates_SK, num_experts, cap, c.drop_policy,
-                               balancing_loss(logits_SE, c, num_sequences))
+                               balancing_loss(logits_SE, c, num_sequences, sequence_group))
 
     def probabilities(self, logits_SE: torch.Tensor) -> torch.Tensor:
         """Each token's probabilities over all experts [S, E] as the balancing losses see them (for the
