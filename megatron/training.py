@@ -18,11 +18,13 @@ from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
 from megatron.distill import distillation_losses, init_student_from_teacher, load_teacher, teacher_checkpoint
-from megatron.errors import CheckpointError, DataError, TrainingStopped
+from megatron.errors import CheckpointError, ConfigError, DataError, TrainingStopped
 from megatron.exit_conditions import ExitConditions
 from megatron.losses import masked_mean
 from megatron.model import GPTModel
+from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
+from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
 from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
@@ -70,6 +72,7 @@ def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     """The settings that decide a run's memory and speed, for the log's first line."""
     zero = runtime.zero_optimization
     tensor_parallel = f"tensor-parallel {grid.tp_size} | " if grid.tp_size > 1 else ""
+    tensor_parallel += f"pipeline-parallel {grid.pp_size} | " if grid.pp_size > 1 else ""
     return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
             f"{tensor_parallel}"
             f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
@@ -82,6 +85,13 @@ class Trainer:
     def __init__(self, config: PretrainConfig, grid: ParallelGrid) -> None:
         self.config = config
         self.grid = grid
+        t = config.training
+        built = {"expert": (grid.ep_size, t.expert_parallel_size), "tensor": (grid.tp_size, t.tensor_parallel_size),
+                 "pipeline": (grid.pp_size, t.pipeline_parallel_size)}
+        for kind, (grid_size, flag_size) in built.items():
+            if grid_size != flag_size:
+                raise ConfigError(f"the rank grid has {kind}-parallel size {grid_size} but the flags ask for {flag_size}; "
+                                  "build the grid from the same flags (build_parallel_grid)")
         self.log = TrainingLogger(config.logging.tensorboard_dir, enabled=grid.is_first_rank)
         self.runtime = runtime = config.runtime_config(grid.dp_size)
         self.log.info(run_summary(runtime, grid))
@@ -96,10 +106,11 @@ class Trainer:
         # as Megatron pads it: every tensor-parallel rank gets an equal share of whole multiples
         vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by * grid.tp_size)
         self.model_config = replace(config.model, vocab_size=vocab)
-        tp = TensorParallel(grid.tp_group, config.training.sequence_parallel)
-        model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp).to(grid.device)
+        tp = TensorParallel(grid.tp_group, t.sequence_parallel)
+        stage = pipeline_stage(config.model.num_layers, grid.pp_size, grid.pp_rank, t.first_stage_layers, t.last_stage_layers)
+        model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor(model)
-        t, ckpt = config.training, config.checkpoint
+        ckpt = config.checkpoint
         self.load_dir = ckpt.load
         if ckpt.moe_use_upcycling:
             self.load_dir = self._upcycle(model)
@@ -239,6 +250,8 @@ class Trainer:
         """One global batch: every micro-batch forward + backward, then the engine's step.
         Returns the mean [lm loss, moe loss, kd loss] of its micro-batches."""
         self.engine.module.train()
+        if self.grid.pp_size > 1:
+            return self._pipeline_train_step(data_iter)
         total = torch.zeros(3, device=self.grid.device)
         d = self.config.distill
         for _ in range(self.engine.gradient_accumulation_steps):
@@ -257,6 +270,44 @@ class Trainer:
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
 
+    def _stage_links(self) -> StageLinks:
+        t, grid = self.config.training, self.grid
+        positions = t.seq_length // grid.tp_size if t.sequence_parallel else t.seq_length
+        return StageLinks(grid.pp_prev_rank, grid.pp_next_rank, (t.micro_batch_size, positions, self.model_config.hidden_size),
+                          torch.float32, grid.device)
+
+    def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The global batch's micro-batches in the 1F1B schedule; every stage reads the same ones
+        (the first needs the tokens, the last the labels). The LM loss comes from the last stage;
+        the router losses add up over the stages."""
+        engine, grid = self.engine, self.grid
+        batches = [self._batch(data_iter) for _ in range(engine.gradient_accumulation_steps)]
+        total = torch.zeros(3, device=grid.device)
+
+        def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
+            batch = batches[index]
+            output, router_loss = engine(batch["tokens"], labels_BS=batch["labels"], hidden_BSH=hidden_BSH)
+            total[1] += router_loss.detach()
+            if not grid.is_last_stage:
+                return output, (router_loss, output, hidden_BSH)
+            loss = masked_mean(output, batch["loss_mask"])
+            total[0] += loss.detach()
+            return None, (loss + router_loss, None, hidden_BSH)
+
+        def backward(saved: object, grad_BSH: torch.Tensor | None) -> torch.Tensor | None:
+            objective, output, hidden_BSH = saved
+            engine.backward(objective, output, grad_BSH)
+            if not engine.is_gradient_accumulation_boundary():  # the update waits for the schedule's last send
+                engine.step()
+            self.moe_monitor.accumulate()
+            return None if hidden_BSH is None else hidden_BSH.grad
+
+        one_forward_one_backward(len(batches), grid.pp_rank, grid.pp_size, self._stage_links(), forward, backward)
+        engine.step()
+        all_reduce(total, grid.pp_group)
+        update_expert_biases(engine.module, grid.stage_group, step_taken=not engine.last_step_skipped)
+        return total / len(batches)
+
     @torch.no_grad()
     def evaluate(self, dataset: Any) -> float:
         """Mean LM loss over the first --eval-iters global batches of `dataset`, so every
@@ -265,9 +316,23 @@ class Trainer:
         data_iter = self.loader(dataset, 0)
         total = torch.zeros((), device=self.grid.device)
         steps = self.config.logging.eval_iters * self.engine.gradient_accumulation_steps
-        for step in range(steps):
-            total += lm_loss(self.engine, self._batch(data_iter))[0]
-            self.log.progress("evaluation micro-batches", step + 1, steps)
+        if self.grid.pp_size > 1:  # the last stage's losses, summed over the pipeline for every rank
+            batches = [self._batch(data_iter) for _ in range(steps)]
+
+            def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
+                nonlocal total
+                output, _ = self.engine(batches[index]["tokens"], labels_BS=batches[index]["labels"], hidden_BSH=hidden_BSH)
+                if not self.grid.is_last_stage:
+                    return output, None
+                total += masked_mean(output, batches[index]["loss_mask"])
+                return None, None
+
+            forward_only(steps, self._stage_links(), forward)
+            all_reduce(total, self.grid.pp_group)
+        else:
+            for step in range(steps):
+                total += lm_loss(self.engine, self._batch(data_iter))[0]
+                self.log.progress("evaluation micro-batches", step + 1, steps)
         self.engine.module.train()
         return self.dp_mean(total / steps)
 

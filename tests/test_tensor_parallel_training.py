@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.tensors import expert_ids
 from megatron.errors import ConfigError
 from megatron.model.tensor_parallel import tensor_parallel_split, unshard
 from megatron.parallel import build_parallel_grid, single_process_grid
@@ -32,16 +33,23 @@ COMMON = dict(train_iters=10, micro_batch_size=2, global_batch_size=4, hidden_dr
               make_vocab_size_divisible_by=32, clip_grad=0.05, eval_interval=100)
 
 
+def _gathered(value: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
+    pieces = [torch.empty_like(value) for _ in range(size)]
+    dist.all_gather(pieces, value, group=group)
+    return pieces
+
+
 def _whole_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter as TP=1 holds it: tensor-parallel slices gathered from the group."""
+    """Every parameter as one process holds it: tensor-parallel slices gathered from the TP group,
+    experts from the expert-parallel group."""
     grid, out = trainer.grid, {}
     with trainer.engine.whole_parameters():
         for name, param in trainer.engine.module.named_parameters():
             value, split = param.detach().clone(), tensor_parallel_split(param)
             if split is not None:
-                pieces = [torch.empty_like(value) for _ in range(grid.tp_size)]
-                dist.all_gather(pieces, value, group=grid.tp_group)
-                value = unshard(pieces, split.dim, split.partition_sizes)
+                value = unshard(_gathered(value, grid.tp_group, grid.tp_size), split.dim, split.partition_sizes)
+            if expert_ids(param) is not None and grid.ep_size > 1:  # consecutive ids on consecutive EP ranks
+                value = torch.cat(_gathered(value, grid.ep_group, grid.ep_size))
             out[name] = value
     return out
 
@@ -73,12 +81,13 @@ MODERN_SP = {**ARCHITECTURES["modern"], "sequence_parallel": True}
 
 def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     world = dist.get_world_size()
-    grid = build_parallel_grid(torch.device("cpu"), tp_size=2)
     out = {}
     for key, flags in _runs(world):
+        grid = build_parallel_grid(torch.device("cpu"), tp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)))
         result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, **flags)
         out.update({f"{key}/{name}": value for name, value in result.items()})
     # a checkpoint of this layout for the single process, and resumes of the single process's
+    grid = build_parallel_grid(torch.device("cpu"), tp_size=2)
     stage = 1 if world == 2 else 3
     _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, zero_stage=stage, save=f"{folder}/tp2_w{world}",
            save_interval=5, **MODERN_SP)
@@ -148,7 +157,6 @@ def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_betwee
 
 @pytest.mark.parametrize("flags, message", [
     ({"sequence_parallel": True}, "--sequence-parallel splits the activations between tensor-parallel regions"),
-    ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 2: pipeline parallelism is not built yet"),
     ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet"),
 ])
 def test_what_tensor_parallelism_does_not_cover_yet_stops_with_one_sentence(corpus, flags, message) -> None:

@@ -22,6 +22,7 @@ from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
+from megatron.model.pipeline_stage import layer_counts
 from megatron.model.moe.config import DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
 from megatron.runtime.lr_schedules import scheduler_parameters
 
@@ -62,6 +63,9 @@ class TrainingConfig:
     expert_parallel_size: int
     tensor_parallel_size: int
     sequence_parallel: bool
+    pipeline_parallel_size: int
+    first_stage_layers: int | None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None
     check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
     max_consecutive_skipped_iterations: int  # 0: no limit
     # the --deepspeed_config JSON as written; the flags' values are laid over it (deepspeed_json.py)
@@ -228,7 +232,12 @@ def build_parser(sizing: bool = False) -> FlagParser:
                    help="split attention heads, the MLP width and the vocabulary over this many ranks")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="under tensor parallelism, split norms, dropout and residuals along the sequence too")
-    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
+                   help="split the layers into this many stages, run in Megatron's 1F1B schedule")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int, default=None,
+                   help="layers of the first stage (default: an even split)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, default=None,
+                   help="layers of the last stage (default: an even split)")
     g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=1)
 
     g = parser.add_argument_group("data and tokenizer")
@@ -402,22 +411,18 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
 
 
 def _check_model_parallel_flags(args: argparse.Namespace) -> None:
-    """What tensor parallelism covers so far; the rest stops here with one sentence each."""
-    for flag, value, feature in (
-        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, "pipeline parallelism"),
-        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, "expert tensor parallelism"),
-    ):
-        if value > 1:
-            raise ConfigError(f"{flag} {value}: {feature} is not built yet; leave it at 1")
-    tp = args.tensor_model_parallel_size
+    """What tensor and pipeline parallelism cover so far; the rest stops here with one sentence each."""
+    if args.expert_tensor_parallel_size > 1:
+        raise ConfigError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: expert tensor "
+                          "parallelism is not built yet; leave it at 1")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits the activations between tensor-parallel regions; "
                           "add --tensor-model-parallel-size N (N > 1) or drop it")
-    if tp == 1:
-        return
-    if args.load_teacher is not None:
-        raise ConfigError(f"MoS distillation under --tensor-model-parallel-size {tp} is not built yet; "
-                          "distil with --tensor-model-parallel-size 1")
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        if size > 1 and args.load_teacher is not None:
+            raise ConfigError(f"MoS distillation under {flag} {size} is not built yet; distil with {flag} 1")
+    layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
@@ -457,7 +462,9 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
         lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq), seed=args.seed,
         expert_parallel_size=args.moe_expert_parallel_size, tensor_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel, check_for_nan=args.check_for_nan_in_loss_and_grad,
+        sequence_parallel=args.sequence_parallel, pipeline_parallel_size=args.pipeline_model_parallel_size,
+        first_stage_layers=args.decoder_first_pipeline_num_layers, last_stage_layers=args.decoder_last_pipeline_num_layers,
+        check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_json=args.deepspeed_json,
     )

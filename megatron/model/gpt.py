@@ -8,6 +8,12 @@ Under tensor parallelism (`tp`) the vocabulary is split: the embedding and the L
 rank's rows, the loss is the vocabulary-parallel cross entropy (the full logits are never
 gathered for it) and logits asked for are gathered. With sequence parallelism the blocks work on
 this rank's positions between the embedding's scatter and the gather before the final norm.
+
+Under pipeline parallelism (`stage`) the model holds one stage's layers, named by their global
+index; the first stage embeds the tokens, the others take the previous stage's hidden states, and
+every stage but the last returns its hidden states instead of logits or losses. Every stage builds
+the whole model's parameters in order, a layer at a time, and keeps its own, so each starts from
+the weights one process would have.
 """
 
 import torch
@@ -21,6 +27,7 @@ from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.moe import MoELayer
 from megatron.model.moe.shared_expert import SharedExpert
+from megatron.model.pipeline_stage import PipelineStage
 from megatron.model.tensor_parallel import (
     ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_region,
     gather_from_tp_region, scatter_to_sequence_region, vocab_parallel_cross_entropy,
@@ -28,9 +35,20 @@ from megatron.model.tensor_parallel import (
 from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
 
 
+class StageLayers(nn.ModuleList):
+    """A pipeline stage's blocks under their global indices ("layers.5.*" on any stage), so that
+    checkpoints do not depend on the split."""
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self._modules[str(index)] = block
+
+
 class GPTModel(nn.Module):
     def __init__(
         self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None, tp: TensorParallel = TensorParallel(),
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         if config.vocab_size is None:
@@ -40,6 +58,8 @@ class GPTModel(nn.Module):
                               "sequence; add --sequence-parallel")
         self.config = config
         self.tp = tp
+        self.stage = stage = stage or PipelineStage(0, 1, 0, config.num_layers)
+        tied = not config.untie_embeddings_and_output_weights
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         init_normal_(self.word_embeddings.weight, config.init_method_std)
         if tp.enabled:
@@ -49,16 +69,29 @@ class GPTModel(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             init_normal_(self.position_embeddings.weight, config.init_method_std)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList(  # built and split one at a time: a whole layer at most is transient
-            TransformerBlock(config, self._mlp(config, experts, ep_group, tp), tp) for experts in config.experts_per_layer
-        )
+        blocks = {}
+        for index, experts in enumerate(config.experts_per_layer):  # built and split one at a time
+            block = TransformerBlock(config, self._mlp(config, experts, ep_group, tp), tp)
+            if index in stage.layers:
+                blocks[index] = block
+        self.layers = nn.ModuleList(blocks.values()) if stage.size == 1 else StageLayers(blocks)
         self.final_layernorm = build_norm(config, config.hidden_size, tp)
         self.output_layer = None
-        if config.untie_embeddings_and_output_weights:
+        if not tied:
             self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             init_normal_(self.output_layer.weight, config.init_method_std)
             if tp.enabled:
                 self.output_layer = ColumnParallelLinear(self.output_layer, tp.group)
+        if not stage.is_first:
+            self.position_embeddings = None
+            if not (stage.is_last and tied):
+                self.word_embeddings = None
+            else:  # the LM head's copy of the first stage's word embedding: gradients summed with it
+                self.word_embeddings.weight.shared_with_first_stage = True
+        if stage.size > 1 and tied and (stage.is_first or stage.is_last):
+            self.word_embeddings.weight.pipeline_shared = True
+        if not stage.is_last:
+            self.final_layernorm = self.output_layer = None
 
     @staticmethod
     def _mlp(config: GPTConfig, num_experts: int, ep_group: dist.ProcessGroup | None, tp: TensorParallel) -> nn.Module:
@@ -97,19 +130,25 @@ class GPTModel(nn.Module):
         labels_BS: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_logits: bool = False,
+        hidden_BSH: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Logits [B, S, V] without labels; with them, fp32 per-token cross entropy [B, S] and the
         sum of the MoE layers' router losses (zero for a dense model), and with `return_logits` also
-        the logits (distillation needs both, and the LM head then runs once)."""
+        the logits (distillation needs both, and the LM head then runs once). A pipeline stage after
+        the first takes `hidden_BSH` from the previous stage instead of embedding the tokens; a stage
+        before the last returns its hidden states and its MoE router loss."""
         if position_ids_BS is None:
             start = 0 if kv_cache is None else kv_cache.length
             position_ids_BS = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
-        x_BSH = self.word_embeddings(tokens_BS)
-        if self.position_embeddings is not None:
-            x_BSH = x_BSH + self.position_embeddings(position_ids_BS)
-        x_BSH = self.embedding_dropout(x_BSH)
-        if self.tp.sequence_parallel:
-            x_BSH = scatter_to_sequence_region(x_BSH, self.tp.group)
+        if self.stage.is_first:
+            x_BSH = self.word_embeddings(tokens_BS)
+            if self.position_embeddings is not None:
+                x_BSH = x_BSH + self.position_embeddings(position_ids_BS)
+            x_BSH = self.embedding_dropout(x_BSH)
+            if self.tp.sequence_parallel:
+                x_BSH = scatter_to_sequence_region(x_BSH, self.tp.group)
+        else:
+            x_BSH = hidden_BSH
         router_loss = torch.zeros((), device=x_BSH.device)
         for index, layer in enumerate(self.layers):
             if self.config.checkpoint_activations and self.training and kv_cache is None:
@@ -118,6 +157,8 @@ class GPTModel(nn.Module):
                 layer_cache = None if kv_cache is None else kv_cache.layers[index]
                 x_BSH, layer_loss = layer(x_BSH, position_ids_BS, layer_cache)
             router_loss = router_loss + layer_loss
+        if not self.stage.is_last:
+            return x_BSH, router_loss
         head_VH = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         x_BSH = self.final_layernorm(x_BSH)
         if self.tp.sequence_parallel:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
+from megatron.runtime.gradient_kinds import SLICE, WHOLE
 from megatron.runtime.strategy import build_strategy
 from megatron.config.deepspeed_keys import no_effect_notes
 from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
@@ -205,7 +206,14 @@ class Engine:
             for line in no_effect_notes(config):
                 print(line, flush=True)
         self._broadcast_parameters()
+        # parameters the first and last pipeline stages both hold (a tied word embedding), summed at each step
+        self.pipeline_shared = [p for p in self.module.parameters() if getattr(p, "pipeline_shared", False)]
+        if parallel.pp_size > 1 and config.zero_optimization.stage > 1:
+            raise ConfigError(f"ZeRO stage {config.zero_optimization.stage} under pipeline parallelism is not built "
+                              "(DeepSpeed's pipeline engine has stage 1 at most too); use --zero-stage 0 or 1")
         self.strategy = build_strategy(self.module, self.optimizer, config, parallel)
+        if self.pipeline_shared and self.strategy.stage == 1:
+            self.strategy.reduce_in_backward = False
         if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
             self.optimizer.prepare(self.strategy.swapped_stores())
 
@@ -237,13 +245,24 @@ class Engine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, activation: torch.Tensor | None = None,
+                 activation_grad: torch.Tensor | None = None) -> None:
+        """Backward from `loss`; on a pipeline stage before the last, also from the `activation` it
+        sent on, with the gradient the next stage sent back (already scaled as the loss is)."""
         self.monitor.record_loss(loss)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach()).all()
         self.monitor.start("backward")
         scale = self.loss_scaler.scale / self.grad_predivisor
         self.strategy.before_backward(self.is_gradient_accumulation_boundary())
-        (loss * scale if scale != 1.0 else loss).backward()
+        scaled = loss * scale if scale != 1.0 else loss
+        if activation is None:
+            scaled.backward()
+        else:
+            tensors, grads = [activation], [activation_grad]
+            if scaled.requires_grad:  # a stage without MoE layers has a constant router loss
+                tensors.append(scaled)
+                grads.append(None)
+            torch.autograd.backward(tensors, grads)
         self.strategy.after_backward()
         self.monitor.stop("backward")
 
@@ -265,16 +284,18 @@ class Engine:
 
         grid = self.parallel
         # tensor-parallel slices add up over the group; a gradient every tensor-parallel rank holds
-        # whole counts once
-        split = self.strategy.split_over_tensor_parallel()
-        dense_sq = sq_norm([g for g, s in zip(dense_grads, split) if s])
+        # whole counts once, a pipeline stage's copy of the first stage's parameter not at all
+        kinds = self.strategy.gradient_kinds()
+        dense_sq = sq_norm([g for g, kind in zip(dense_grads, kinds) if kind == SLICE])
         if grid.tp_rank == 0:
-            dense_sq = dense_sq + sq_norm([g for g, s in zip(dense_grads, split) if not s])
+            dense_sq = dense_sq + sq_norm([g for g, kind in zip(dense_grads, kinds) if kind == WHOLE])
         expert_sq = sq_norm(expert_grads)
         local_nonfinite = ~torch.isfinite(dense_sq + expert_sq)
         self.strategy.sum_square_norms(dense_sq, expert_sq)
         all_reduce(dense_sq, grid.tp_group)
         all_reduce(expert_sq, grid.ep_group)
+        all_reduce(dense_sq, grid.pp_group)  # each stage holds its own layers
+        all_reduce(expert_sq, grid.pp_group)
         return float(dense_sq + expert_sq), bool(local_nonfinite)
 
     def _nonfinite_ranks(self, grads_nonfinite: bool, norm_finite: bool) -> NonFiniteStep | None:
@@ -299,6 +320,8 @@ class Engine:
         if not boundary:
             return
         self.monitor.start("step")
+        for param in self.pipeline_shared:
+            all_reduce(param.grad, self.parallel.embedding_group)
         dense_grads, expert_grads = self.strategy.reduce_gradients()
         grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.grad_postdivisor
@@ -338,7 +361,10 @@ class Engine:
         """This rank's share of a checkpoint: the model and optimizer entries it owns under their
         global names, and (first rank) the counters, schedule and loss scale for engine.json."""
         grid = self.parallel
-        owns = {"owns_dense": grid.is_first_rank, "owns_experts": grid.expert_dp_rank == 0}
+        # each pipeline stage's first rank writes the stage's dense tensors (whole, gathered over tp)
+        owns = {"owns_dense": grid.dp_rank == 0 and grid.tp_rank == 0, "owns_experts": grid.expert_dp_rank == 0}
+        splits = {name: split for piece in grid.gather_from_all(tensor_parallel_splits(self.module))
+                  for name, split in piece.items()} if grid.pp_size > 1 else tensor_parallel_splits(self.module)
         with self.whole_parameters():
             model = model_entries(self.module, **owns)
         optim, optim_groups = self.strategy.optimizer_state(**owns), optimizer_groups(self.optimizer)
@@ -348,7 +374,7 @@ class Engine:
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
             "dp_size": grid.dp_size, "ep_size": grid.ep_size, "tp_size": grid.tp_size,
-            "tensor_parallel_splits": tensor_parallel_splits(self.module),
+            "tensor_parallel_splits": splits,
         } if grid.is_first_rank else None
         return EngineState(model, optim, meta, grid, self.strategy.stage, self.precision)
 
@@ -375,7 +401,8 @@ class Engine:
             return False
         dtype = self.autocast_dtype or torch.float32
         with self.whole_parameters():
-            owned = model_entries(self.module, owns_dense=grid.is_first_rank, owns_experts=grid.expert_dp_rank == 0)
+            owned = model_entries(self.module, owns_dense=grid.dp_rank == 0 and grid.tp_rank == 0,
+                                  owns_experts=grid.expert_dp_rank == 0)
             owned = {name: t.to(dtype, copy=True) if t.is_floating_point() else t.clone() for name, t in owned.items()}
         pieces = [owned]
         if grid.world_size > 1:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpoint.tensors import ShardedReader, expert_ids, load_optimizer_entries, optimizer_entries
-from megatron.model.tensor_parallel import tensor_parallel_split
+from megatron.runtime.gradient_kinds import gradient_kind
 from megatron.parallel import ParallelGrid, is_parallel
 from megatron.runtime.swap.param_store import ShardStore
 from megatron.runtime.zero.layout import PartitionLayout
@@ -65,8 +65,8 @@ class Replicated:
         sum_over(expert_grads, self.grid.expert_dp_group)
         return dense_grads, expert_grads
 
-    def split_over_tensor_parallel(self) -> list[bool]:
-        return [tensor_parallel_split(p) is not None for p in self.dense_params]
+    def gradient_kinds(self) -> list[str]:
+        return [gradient_kind(p) for p in self.dense_params]
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         pass  # every data-parallel rank holds the whole gradients

@@ -8,7 +8,7 @@ The order of calls in one optimizer step, for every micro-batch then at the boun
 
     with forward_context(): forward      before_backward(boundary); backward; after_backward()
     reduce_gradients() -> (dense, expert) gradients the optimizer reads
-    split_over_tensor_parallel()         which dense gradients are tensor-parallel slices
+    gradient_kinds()                     which dense gradients are tensor-parallel slices or copies
     sum_square_norms(...)                the norm's partial sums over the groups that split them
     optimizer.step(); after_step()       (skipped on a non-finite step)
     zero_gradients()                     (always)
@@ -49,9 +49,8 @@ class TrainingStrategy(Protocol):
         """Sum the accumulation's gradients over their data-parallel groups; return the (dense,
         expert) gradients that the optimizer will read and the step scales in place."""
 
-    def split_over_tensor_parallel(self) -> list[bool]:
-        """For each dense gradient `reduce_gradients` returns: whether it is this rank's slice of a
-        tensor-parallel parameter (True) or whole on every tensor-parallel rank (False)."""
+    def gradient_kinds(self) -> list[str]:
+        """For each dense gradient `reduce_gradients` returns, its kind (megatron/runtime/gradient_kinds.py)."""
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         """Sum in place the squared norms of this rank's gradients over the data-parallel groups

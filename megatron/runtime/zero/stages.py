@@ -24,6 +24,7 @@ from torch import nn
 from megatron.config.runtime_schema import AioConfig, ZeroConfig
 from megatron.checkpoint.tensors import ShardedReader, expert_ids
 from megatron.model.tensor_parallel import tensor_parallel_split
+from megatron.runtime.gradient_kinds import COPY, SLICE, WHOLE, gradient_kind
 from megatron.parallel import all_reduce
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.checkpoint import load_partition_state, partition_state_entries
@@ -55,6 +56,9 @@ class ZeroRuntime:
         already holds them); each group now holds one shard per class."""
         self.stage = config.stage
         self.tp_rank = tp_rank
+        # False: stage 1 reduces at the step instead, after the engine summed the gradients of
+        # parameters shared between pipeline stages
+        self.reduce_in_backward = True
         self.optimizer = optimizer
         self.dense_group, self.expert_group = dense_group, expert_group
         offload_param = config.offload_param
@@ -69,9 +73,8 @@ class ZeroRuntime:
         for group in optimizer.param_groups:
             shards = []
             # one partition per class, so that a shard's gradients are all of one kind for the norm
-            for (is_expert, comm), is_split in itertools.product(((False, dense_group), (True, expert_group)), (False, True)):
-                params = [p for p in group["params"]
-                          if (expert_ids(p) is not None) == is_expert and (tensor_parallel_split(p) is not None) == is_split]
+            for (is_expert, comm), kind in itertools.product(((False, dense_group), (True, expert_group)), (WHOLE, SLICE, COPY)):
+                params = [p for p in group["params"] if (expert_ids(p) is not None) == is_expert and gradient_kind(p) == kind]
                 if not params:
                     continue
                 param_names = [names[p] for p in params]
@@ -105,7 +108,7 @@ class ZeroRuntime:
     def before_backward(self, boundary: bool) -> None:
         """Stage 1 reduces during the backward that ends an accumulation; stages 2 and 3 during every one."""
         if self.flat_reducer is not None:
-            self.flat_reducer.armed = boundary or self.stage >= 2
+            self.flat_reducer.armed = (boundary and self.reduce_in_backward) or self.stage >= 2
         if self.gatherer is not None:
             self.gatherer.before_backward()
 
@@ -154,8 +157,8 @@ class ZeroRuntime:
         for part in self.partitions:
             part.copy_from_parameters()
 
-    def split_over_tensor_parallel(self) -> list[bool]:
-        return [tensor_parallel_split(p.params[0]) is not None for p in self.partitions if not p.is_expert]
+    def gradient_kinds(self) -> list[str]:
+        return [gradient_kind(p.params[0]) for p in self.partitions if not p.is_expert]
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         """Each rank's shards are disjoint parts of the gradients: sum over the partitioning groups."""

@@ -1,0 +1,114 @@
+"""Training under pipeline parallelism (1F1B) equals training on one process: 10 iterations of the
+Trainer at PP=2 (tied and untied embeddings, dense and MoE, ZeRO 0 and 1, an uneven split), at
+TP=2 x PP=2, PP=2 x DP=2 and PP=2 x EP=2, losses to 1e-5 relative and every stage's parameters after
+the steps; checkpoints move between PP=2 and one process."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.errors import ConfigError
+from megatron.parallel import build_parallel_grid, single_process_grid
+from tests.dist_utils import run_distributed
+from tests.test_tensor_parallel_training import ARCHITECTURES, _train, assert_same
+from tests.training_fixtures import tiny_config, write_corpus
+
+FOUR_LAYERS = {"num_layers": 4}
+
+
+def _runs(world: int) -> list[tuple[str, str, dict[str, object]]]:
+    """(key, serial reference, flags) of each run on `world` ranks."""
+    if world == 2:
+        return [
+            ("classic/zero0", "classic", {"zero_stage": 0}),
+            ("classic/zero1", "classic", {"zero_stage": 1}),
+            ("modern/zero1", "modern", {**ARCHITECTURES["modern"], "zero_stage": 1}),
+            ("moe/zero0", "moe", {**ARCHITECTURES["moe"], "zero_stage": 0}),
+            ("modern_moe/zero1", "modern_moe", {**ARCHITECTURES["modern_moe"], "zero_stage": 1}),
+            ("uneven/zero1", "uneven", {**FOUR_LAYERS, "decoder_first_pipeline_num_layers": 1, "zero_stage": 1}),
+        ]
+    return [
+        ("tp2/zero1", "modern", {**ARCHITECTURES["modern"], "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                 "zero_stage": 1}),
+        ("dp2/zero1", "classic", {"zero_stage": 1}),
+        ("ep2/zero1", "moe", {**ARCHITECTURES["moe"], "moe_expert_parallel_size": 2, "zero_stage": 1}),
+    ]
+
+
+def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
+    world = dist.get_world_size()
+    out = {}
+    for key, _, flags in _runs(world):
+        tp = int(flags.get("tensor_model_parallel_size", 1))
+        grid = build_parallel_grid(torch.device("cpu"), tp_size=tp, pp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)))
+        result = _train(corpus, grid.dp_size, grid, pipeline_model_parallel_size=2, **flags)
+        out.update({f"{key}/{name}": value for name, value in result.items()})
+    if world == 2:  # checkpoints: this layout's for one process, and one process's resumed here
+        grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
+        _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=1, save=f"{folder}/pp2", save_interval=5)
+        result = _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=0, load=f"{folder}/serial", ckpt_step=5)
+        out.update({f"resumed/{name}": value for name, value in result.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("pp_corpus"))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("pp_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def serial(corpus, folder) -> dict[str, dict[str, torch.Tensor]]:
+    grid = single_process_grid(torch.device("cpu"))
+    runs = {arch: _train(corpus, 1, grid, **flags) for arch, flags in ARCHITECTURES.items()}
+    runs["uneven"] = _train(corpus, 1, grid, **FOUR_LAYERS)
+    assert_same(_train(corpus, 1, grid, save=f"{folder}/serial", save_interval=5), runs["classic"])
+    return runs
+
+
+def _stage_parameters(results: list[dict[str, torch.Tensor]], key: str) -> dict[str, list[torch.Tensor]]:
+    """Each parameter name of run `key` with the values every rank that holds it has."""
+    found: dict[str, list[torch.Tensor]] = {}
+    for result in results:
+        for name, value in result.items():
+            if name.startswith(key + "/") and not name.endswith("/losses"):
+                found.setdefault(name[len(key) + 1:], []).append(value)
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_parallel_training_equals_one_process(corpus, serial, folder, world: int) -> None:
+    results = run_distributed(_on_rank, world, corpus, folder)
+    for key, reference, _ in _runs(world):
+        want = serial[reference]
+        dp = 2 if key.startswith(("dp2", "ep2")) else 1
+        # every rank reports the pipeline's loss of its data-parallel share; the shares average to the whole
+        losses = torch.stack([result[f"{key}/losses"] for result in results]).mean(0)
+        assert len(losses) == 10 and dp in (1, 2)
+        torch.testing.assert_close(losses, want["losses"], rtol=1e-5, atol=0, msg=f"{key}/losses")
+        found = _stage_parameters(results, key)
+        assert set(found) == set(want) - {"losses"}, key  # the stages hold every parameter between them
+        for name, values in found.items():
+            for value in values:
+                torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-6, msg=f"{key}/{name}")
+    if world == 2:
+        resumed = {name: values[0] for name, values in _stage_parameters(results, "resumed").items()}
+        resumed["losses"] = results[0]["resumed/losses"]
+        assert_same(resumed, serial["classic"], "PP=2 resumed from one process: ")
+        grid = single_process_grid(torch.device("cpu"))
+        assert_same(_train(corpus, 1, grid, zero_stage=1, load=f"{folder}/pp2", ckpt_step=5), serial["classic"],
+                    "one process resumed from PP=2: ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"pipeline_model_parallel_size": 2, "num_layers": 3}, "--num-layers 3 cannot be split over --pipeline-model-parallel-size 2"),
+    ({"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 2},
+     "--num-layers 2 cannot be split over --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2"),
+])
+def test_layer_splits_that_do_not_fit_stop_with_one_sentence(corpus, flags, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(corpus, **flags)
