@@ -1,12 +1,24 @@
 """How big a model is before it exists: built on the meta device (no memory) from the same flags
 as training, it gives total and active parameters, training FLOPs per token, and the memory per
-rank for weights, gradients and optimizer state under each ZeRO stage and expert-parallel size.
+rank for weights, gradients and optimizer state under each ZeRO stage, expert-parallel size and
+tensor/pipeline-parallel layout.
 
 Memory follows this toolkit's layout: fp32 weights and gradients (bf16/fp16 run under autocast),
-Adam's two fp32 moments, and under ZeRO an fp32 master partition. Dense tensors are replicated over
-the data-parallel ranks (all ranks) and partitioned over them by ZeRO; experts are split over the
-expert-parallel group and partitioned over their expert-data-parallel group. Activations are
-not counted: they depend on micro-batch, sequence length and activation checkpointing.
+Adam's two fp32 moments, and under ZeRO an fp32 master partition. The ranks form the grid of
+megatron/parallel.py, world = tp x dp x pp:
+- pipeline parallelism (pp) gives each stage its layers, evenly or Megatron's uneven first/last
+  stages; the first stage also holds the embeddings, the last the final norm and the output layer
+  (with tied embeddings and pp > 1, a copy of the word embedding it trains too, as Megatron does);
+  the table reports the most loaded stage;
+- tensor parallelism (tp) splits what Megatron splits: the attention's query_key_value and the
+  dense MLP's dense_h_to_4h (weights and biases, column-parallel), the attention's dense and
+  dense_4h_to_h weights (row-parallel; their biases are whole), the word embedding and the untied
+  output layer (by vocabulary rows). Norms, position embeddings and everything in an MoE layer but
+  its experts (router, PR-MoE residual MLP and coefficient, shared experts) are whole on each tp rank;
+- dense parameters are replicated over dp and partitioned over it by ZeRO; experts are split over
+  the expert-parallel group (ep, carved out of a stage's tp x dp ranks) and partitioned over their
+  expert-data-parallel group, tp x dp / ep ranks.
+Activations are not counted: they depend on micro-batch, sequence length and activation checkpointing.
 """
 
 import argparse
@@ -23,16 +35,36 @@ from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, DataError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
+from megatron.model.pipeline_stage import layer_counts
 from megatron.checkpoint.tensors import expert_ids
+from megatron.parallel import check_parallel_sizes
 
 GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)
 GPT2_VOCAB = 50257  # the vocabulary of GPT2BPETokenizer, the default --tokenizer-type
 DESCRIPTION = ("Size a GPT model from pretrain_gpt.py's model flags without building it or reading any data: "
                "total and active parameters, training FLOPs per token, and memory per rank for weights, "
-               "gradients and optimizer state under each ZeRO stage and expert-parallel size. The vocabulary "
-               "is --padded-vocab-size, or --vocab-size padded to --make-vocab-size-divisible-by, or read from the "
+               "gradients and optimizer state under each ZeRO stage and expert-parallel size at the given "
+               "--tensor-model-parallel-size and --pipeline-model-parallel-size, then for every tensor x pipeline "
+               "layout of --world-size at --zero-stage. The vocabulary "
+               "is --padded-vocab-size, or --vocab-size padded to --make-vocab-size-divisible-by x TP, or read from the "
                f"tokenizer files given, or else GPT-2's {GPT2_VOCAB:,} tokens.")
+# Megatron's tensor-parallel linears, by the name of the module that holds the weight
+COLUMN_PARALLEL = ("query_key_value", "dense_h_to_4h", "output_layer")  # output rows split: weight and bias
+ROW_PARALLEL = ("dense", "dense_4h_to_h")  # input columns split: the weight; the bias is added whole after the sum
+VOCAB_PARALLEL = ("word_embeddings",)
+HEAD = ("final_layernorm", "output_layer")  # the last pipeline stage's; other parameters outside the layers: the first's
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of a part of the model, by how the parallel layout divides them."""
+    tp_split: int = 0  # split over the tensor-parallel ranks
+    tp_whole: int = 0  # whole on every tensor-parallel rank
+    expert: int = 0  # in MoE experts: split over expert parallelism, whole on every tensor-parallel rank
+
+    def __add__(self, other: "ParameterCounts") -> "ParameterCounts":
+        return ParameterCounts(self.tp_split + other.tp_split, self.tp_whole + other.tp_whole, self.expert + other.expert)
 
 
 @dataclass(frozen=True)
@@ -42,6 +74,17 @@ class ModelSize:
     dense: int  # replicated over data parallelism
     expert: int  # split over expert parallelism
     flops_per_token: float  # training (forward + backward)
+    embedding: ParameterCounts = ParameterCounts()  # the first pipeline stage's: word and position embeddings
+    layers: tuple[ParameterCounts, ...] = ()
+    head: ParameterCounts = ParameterCounts()  # the last stage's: final norm and the untied output layer
+    tied_output: int = 0  # the word embedding the last stage copies when the output layer is tied and pp > 1
+
+
+@dataclass(frozen=True)
+class RankParameters:
+    """What one rank of a pipeline stage holds before ZeRO partitions it."""
+    dense: float  # its tensor-parallel slice of the split parameters and the whole-per-rank ones
+    expert: float  # its expert-parallel share of the stage's experts
 
 
 @dataclass(frozen=True)
@@ -49,15 +92,43 @@ class RankMemory:
     weights: float  # bytes
     gradients: float
     optimizer: float
+    stage: int = 0  # the pipeline stage (from 0) these bytes are for: the most loaded one
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer
 
 
+def _parameter_kinds(model: GPTModel) -> dict[str, str]:
+    """Each parameter's name -> "expert", "tp_split" or "tp_whole" (see the module's docstring)."""
+    in_moe = {f"{name}.{p}" for name, module in model.named_modules() if isinstance(module, MoELayer)
+              for p, _ in module.named_parameters()}
+    kinds = {}
+    for name, param in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        holder = module.rpartition(".")[2]
+        split = (holder in COLUMN_PARALLEL or holder in VOCAB_PARALLEL
+                 or (holder in ROW_PARALLEL and leaf == "weight"))
+        kinds[name] = ("expert" if expert_ids(param) is not None else
+                       "tp_whole" if name in in_moe or not split else "tp_split")
+    return kinds
+
+
 def model_size(config: GPTConfig, seq_length: int) -> ModelSize:
     with torch.device("meta"):
         model = GPTModel(config)
+    kinds = _parameter_kinds(model)
+    embedding, head = ParameterCounts(), ParameterCounts()
+    layers = [ParameterCounts()] * config.num_layers
+    for name, param in model.named_parameters():
+        counts = ParameterCounts(**{kinds[name]: param.numel()})
+        top, _, rest = name.partition(".")
+        if top == "layers":
+            layers[int(rest.partition(".")[0])] += counts
+        elif top in HEAD:
+            head += counts
+        else:
+            embedding += counts
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     expert = sum(p.numel() for p in params if expert_ids(p) is not None)
@@ -66,29 +137,94 @@ def model_size(config: GPTConfig, seq_length: int) -> ModelSize:
         if isinstance(layer, MoELayer):
             per_layer = sum(p.numel() for p in layer.experts.parameters())
             idle += per_layer * (layer.num_experts - min(config.moe.topk, layer.num_experts)) // layer.num_experts
-    return ModelSize(total, total - idle, total - expert, expert, config.flops_per_token(seq_length))
+    tied = 0 if config.untie_embeddings_and_output_weights else model.word_embeddings.weight.numel()
+    return ModelSize(total, total - idle, total - expert, expert, config.flops_per_token(seq_length),
+                     embedding, tuple(layers), head, tied)
 
 
-def rank_memory(size: ModelSize, world_size: int, ep_size: int, zero_stage: int) -> RankMemory:
-    """Bytes per rank for `world_size` ranks, experts split `ep_size` ways, ZeRO stage 0-3."""
-    replica = size.dense + size.expert / ep_size  # what one rank holds without ZeRO
-    shard = size.dense / world_size + (size.expert / ep_size) / (world_size // ep_size)
-    return RankMemory(
-        weights=4 * (shard if zero_stage >= 3 else replica),
-        gradients=4 * (shard if zero_stage >= 2 else replica),
-        optimizer=8 * replica if zero_stage == 0 else 12 * shard,  # Adam m, v (+ fp32 master under ZeRO)
-    )
+def stage_parameters(size: ModelSize, pp_size: int = 1, first_stage_layers: int | None = None,
+                     last_stage_layers: int | None = None) -> list[ParameterCounts]:
+    """The parameters of each pipeline stage, the word embedding's copy on the last one included."""
+    stages, start = [], 0
+    for stage, count in enumerate(layer_counts(len(size.layers), pp_size, first_stage_layers, last_stage_layers)):
+        part = sum(size.layers[start:start + count], ParameterCounts())
+        start += count
+        if stage == 0:
+            part += size.embedding
+        if stage == pp_size - 1:
+            part += size.head + ParameterCounts(tp_split=size.tied_output if pp_size > 1 else 0)
+        stages.append(part)
+    return stages
 
 
-def valid_ep_sizes(config: GPTConfig, world_size: int) -> list[int]:
-    """Expert-parallel sizes that divide the world and every MoE layer's expert count."""
+def rank_parameters(size: ModelSize, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
+                    first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[RankParameters]:
+    """What one rank of each pipeline stage holds before ZeRO: dense split by TP, experts by EP."""
+    return [RankParameters(stage.tp_split / tp_size + stage.tp_whole, stage.expert / ep_size)
+            for stage in stage_parameters(size, pp_size, first_stage_layers, last_stage_layers)]
+
+
+def rank_memory(size: ModelSize, world_size: int, ep_size: int, zero_stage: int, tp_size: int = 1, pp_size: int = 1,
+                first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> RankMemory:
+    """Bytes per rank of the most loaded pipeline stage for `world_size` ranks as tp x dp x pp, experts
+    split `ep_size` ways, ZeRO stage 0-3 (dense partitioned over dp, experts over tp x dp / ep)."""
+    check_parallel_sizes(world_size, tp_size, pp_size, ep_size)
+    dp_size, expert_dp_size = world_size // (tp_size * pp_size), world_size // (pp_size * ep_size)
+    stages = []
+    for stage, held in enumerate(rank_parameters(size, tp_size, pp_size, ep_size, first_stage_layers, last_stage_layers)):
+        replica = held.dense + held.expert  # what one rank holds without ZeRO
+        shard = held.dense / dp_size + held.expert / expert_dp_size
+        stages.append(RankMemory(
+            weights=4 * (shard if zero_stage >= 3 else replica),
+            gradients=4 * (shard if zero_stage >= 2 else replica),
+            optimizer=8 * replica if zero_stage == 0 else 12 * shard,  # Adam m, v (+ fp32 master under ZeRO)
+            stage=stage,
+        ))
+    return max(stages, key=lambda memory: memory.total)  # the first of equals
+
+
+def valid_ep_sizes(config: GPTConfig, world_size: int, pp_size: int = 1) -> list[int]:
+    """Expert-parallel sizes that divide a pipeline stage's ranks and every MoE layer's expert count."""
     counts = [c for c in config.experts_per_layer if c > 1]
-    return [ep for ep in range(1, world_size + 1) if world_size % ep == 0 and all(c % ep == 0 for c in counts)] \
+    stage_ranks = world_size // pp_size
+    return [ep for ep in range(1, stage_ranks + 1) if stage_ranks % ep == 0 and all(c % ep == 0 for c in counts)] \
         if counts else [1]
 
 
-def sizing_vocab(flags: dict[str, Any]) -> int:
-    """The padded vocabulary: from --vocab-size (GPT-2's is GPT2_VOCAB) or else from the tokenizer files."""
+def check_layout(config: GPTConfig, world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> None:
+    """Raise a ConfigError unless the model splits over this layout of `world_size` ranks."""
+    check_parallel_sizes(world_size, tp_size, pp_size, ep_size)
+    has_dense_mlp = 1 in config.experts_per_layer  # MoE layers' own MLPs stay whole under TP
+    for count, flag, splits in ((config.num_attention_heads, "--num-attention-heads", True),
+                                (config.kv_heads, "--num-query-groups", True),
+                                (config.ffn_hidden_size, "--ffn-hidden-size", has_dense_mlp)):
+        if splits and count % tp_size:
+            raise ConfigError(f"{flag} {count} cannot be split over --tensor-model-parallel-size {tp_size}; "
+                              "choose a tensor-parallel size that divides the heads, key/value groups and MLP width")
+    if config.vocab_size % tp_size:
+        raise ConfigError(f"the vocabulary of {config.vocab_size:,} rows cannot be split over --tensor-model-parallel-size "
+                          f"{tp_size}; give a --padded-vocab-size that is a multiple of it")
+    uneven = [count for count in config.experts_per_layer if count > 1 and count % ep_size]
+    if uneven:
+        raise ConfigError(f"{uneven[0]} experts cannot be split over --moe-expert-parallel-size {ep_size}; "
+                          "choose an expert-parallel size that divides every layer's expert count")
+    layer_counts(config.num_layers, pp_size, first_stage_layers, last_stage_layers)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The embedding's rows at each tensor-parallel size: the tokenizer's tokens padded to a multiple
+    of --make-vocab-size-divisible-by x TP, as training pads them, or rows given as they are."""
+    tokens: int
+    divisible_by: int | None = None  # None: `tokens` are the rows (--padded-vocab-size, a checkpoint's)
+
+    def rows(self, tp_size: int = 1) -> int:
+        return self.tokens if self.divisible_by is None else padded_vocab_size(self.tokens, self.divisible_by * tp_size)
+
+
+def sizing_vocab(flags: dict[str, Any]) -> Vocabulary:
+    """The vocabulary: from --vocab-size (GPT-2's is GPT2_VOCAB) or else from the tokenizer files."""
     raw = flags.get("vocab_size")
     if flags["tokenizer_type"] == "NullTokenizer" or raw is None:
         try:
@@ -99,7 +235,7 @@ def sizing_vocab(flags: dict[str, Any]) -> int:
         except (DataError, OSError, TypeError, ValueError) as e:
             raise DataError(f"cannot read the tokenizer to size the vocabulary ({e}); "
                             f"give --vocab-size N ({GPT2_VOCAB} for GPT-2) to size the model without its files") from e
-    return padded_vocab_size(raw, flags["make_vocab_size_divisible_by"])
+    return Vocabulary(raw, flags["make_vocab_size_divisible_by"])
 
 
 def with_scale(n: float) -> str:
@@ -127,9 +263,66 @@ def model_options(config: GPTConfig) -> str:
     return "".join(f", {text}" for given, text in options if given)
 
 
-def size_report(config: GPTConfig, seq_length: int, world_size: int, chosen_ep: int | None = None) -> list[str]:
-    """The lines `pretrain_gpt.py --dry-run` and tools/model_size.py print."""
+def _memory_columns(m: RankMemory) -> str:
+    return f"{m.weights / GIB:>10.2f} {m.gradients / GIB:>10.2f} {m.optimizer / GIB:>10.2f} {m.total / GIB:>10.2f}"
+
+
+MEMORY_HEADER = f"{'weights':>10} {'gradients':>10} {'optimizer':>10} {'total':>10}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run's parallel sizes (megatron/parallel.py's grid) and its uneven pipeline stages, if any."""
+    tp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+
+    @property
+    def stages(self) -> dict[str, int | None]:
+        """The uneven first/last stages as keyword arguments (layer_counts ignores them without pipelining)."""
+        return {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+
+
+def layout_rows(config: GPTConfig, seq_length: int, world_size: int, layout: Layout, zero_stage: int,
+                vocabulary: Vocabulary | None = None, size: ModelSize | None = None) -> list[str]:
+    """The memory per rank of every tensor x pipeline layout of `world_size` ranks the model splits over, at
+    this run's EP size and `zero_stage`; the vocabulary padded for each TP size (else as `config` has it).
+    `size`, if given, is `config`'s, so that it is not built again."""
+    sizes: dict[int, ModelSize] = {config.vocab_size: size} if size is not None else {}
+    uneven = ", ".join(f"{n} on the {where} stage" for where, n in
+                       (("first", layout.first_stage_layers), ("last", layout.last_stage_layers)) if n is not None)
+    lines = [f"memory per rank in GiB for each layout of {world_size} rank(s) at ZeRO stage {zero_stage} and EP size "
+             f"{layout.ep_size}, the most loaded pipeline stage (layers {f'{uneven}, the rest ' if uneven else ''}split "
+             "evenly; vocabulary padded for each TP size); * this run's layout",
+             f"{'TP':>4} {'PP':>4} {'DP':>5} {'EP-DP':>6} {'stage':>6} {MEMORY_HEADER}"]
+    for tp in (n for n in range(1, world_size + 1) if world_size % n == 0):
+        rows = vocabulary.rows(tp) if vocabulary is not None else config.vocab_size
+        model = replace(config, vocab_size=rows)
+        for pp in (n for n in range(1, world_size // tp + 1) if world_size % (tp * n) == 0):
+            try:
+                check_layout(model, world_size, tp, pp, layout.ep_size, **layout.stages)
+            except ConfigError:
+                continue
+            if rows not in sizes:
+                sizes[rows] = model_size(model, seq_length)
+            m = rank_memory(sizes[rows], world_size, layout.ep_size, zero_stage, tp, pp, **layout.stages)
+            mark = " *" if (tp, pp) == (layout.tp_size, layout.pp_size) else ""
+            lines.append(f"{tp:>4} {pp:>4} {world_size // (tp * pp):>5} {world_size // (pp * layout.ep_size):>6} "
+                         f"{m.stage:>6} {_memory_columns(m)}{mark}")
+    return lines
+
+
+def size_report(config: GPTConfig, seq_length: int, world_size: int, layout: Layout = Layout(), zero_stage: int = 0,
+                vocabulary: Vocabulary | None = None) -> list[str]:
+    """The lines `pretrain_gpt.py --dry-run` and tools/model_size.py print: the model, memory per rank
+    for each ZeRO stage and EP size at this run's TP and PP sizes, then for each TP x PP layout at
+    `zero_stage`. `config`'s vocabulary is this run's; `vocabulary` pads it for the other TP sizes."""
+    tp, pp = layout.tp_size, layout.pp_size
+    check_layout(config, world_size, tp, pp, layout.ep_size, **layout.stages)
     size = model_size(config, seq_length)
+    grid = f" as TP {tp} x DP {world_size // (tp * pp)} x PP {pp}" if tp * pp > 1 else ""
     lines = [
         f"model: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads"
         f"{model_options(config)}, "
@@ -140,37 +333,41 @@ def size_report(config: GPTConfig, seq_length: int, world_size: int, chosen_ep: 
         f"total parameters: {with_scale(size.total)}",
         f"active parameters per token: {with_scale(size.active)}",
         f"training FLOPs per token: {with_scale(size.flops_per_token)}, forward + backward over the active parameters",
-        f"memory per rank in GiB on {world_size} rank(s): fp32 weights and gradients, Adam moments "
-        "(+ fp32 master partition under ZeRO); activations not included; * this run's EP size",
-        f"{'EP size':>8} {'ZeRO':>5} {'weights':>10} {'gradients':>10} {'optimizer':>10} {'total':>10}",
+        f"memory per rank in GiB on {world_size} rank(s){grid}: fp32 weights and gradients, Adam moments "
+        "(+ fp32 master partition under ZeRO); activations not included"
+        + ("; the most loaded pipeline stage" if pp > 1 else "") + "; * this run's EP size",
+        f"{'EP size':>8} {'ZeRO':>5} {MEMORY_HEADER}" + (f" {'stage':>6}" if pp > 1 else ""),
     ]
-    for ep in valid_ep_sizes(config, world_size):
+    for ep in valid_ep_sizes(config, world_size, pp):
         for stage in ZERO_STAGES:
-            m = rank_memory(size, world_size, ep, stage)
-            mark = " *" if ep == chosen_ep else ""
-            lines.append(f"{ep:>8} {stage:>5} {m.weights / GIB:>10.2f} {m.gradients / GIB:>10.2f} "
-                         f"{m.optimizer / GIB:>10.2f} {m.total / GIB:>10.2f}{mark}")
-    return lines
+            m = rank_memory(size, world_size, ep, stage, tp, pp, **layout.stages)
+            mark = " *" if ep == layout.ep_size else ""
+            lines.append(f"{ep:>8} {stage:>5} {_memory_columns(m)}" + (f" {m.stage:>6}" if pp > 1 else "") + mark)
+    return lines + layout_rows(config, seq_length, world_size, layout, zero_stage, vocabulary, size)
 
 
 def dry_run(config: PretrainConfig, world: int) -> None:
     """`pretrain_gpt.py --dry-run`: the size of the model these (checked) flags train on `world` ranks."""
-    model = replace(config.model, vocab_size=sizing_vocab(config.flags))
+    t = config.training
+    layout = Layout(t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size, t.first_stage_layers,
+                    t.last_stage_layers)
+    vocabulary = sizing_vocab(config.flags)
+    model = replace(config.model, vocab_size=vocabulary.rows(layout.tp_size))
+    zero_stage = config.runtime_config(world // (layout.tp_size * layout.pp_size)).zero_optimization.stage
     if int(os.environ.get("RANK", "0")) == 0:
-        print("\n".join(size_report(model, config.training.seq_length, world, config.training.expert_parallel_size)),
-              flush=True)
+        print("\n".join(size_report(model, t.seq_length, world, layout, zero_stage, vocabulary)), flush=True)
 
 
-def tool_vocab(args: argparse.Namespace) -> tuple[int, str | None]:
-    """tools/model_size.py's padded vocabulary, and a note when it is GPT-2's by default (no tokenizer needed)."""
+def tool_vocab(args: argparse.Namespace) -> tuple[Vocabulary, str | None]:
+    """tools/model_size.py's vocabulary, and a note when it is GPT-2's by default (no tokenizer needed)."""
     if args.padded_vocab_size is not None:
         if args.vocab_size is not None:
             raise ConfigError("--vocab-size and --padded-vocab-size both given: give one of them")
-        return args.padded_vocab_size, None
+        return Vocabulary(args.padded_vocab_size), None
     if args.vocab_size is None and args.vocab_file is None and args.tokenizer_model is None:
-        padded = padded_vocab_size(GPT2_VOCAB, args.make_vocab_size_divisible_by)
-        return padded, (f"note: no --vocab-size, --padded-vocab-size or tokenizer file given: sizing with GPT-2's "
-                        f"vocabulary of {GPT2_VOCAB:,} tokens (padded to {padded:,})")
+        vocabulary = Vocabulary(GPT2_VOCAB, args.make_vocab_size_divisible_by)
+        return vocabulary, (f"note: no --vocab-size, --padded-vocab-size or tokenizer file given: sizing with GPT-2's "
+                            f"vocabulary of {GPT2_VOCAB:,} tokens (padded to {vocabulary.rows(args.tensor_model_parallel_size):,})")
     return sizing_vocab(vars(args)), None
 
 
@@ -182,9 +379,14 @@ def _size(argv: list[str] | None) -> None:
     parser.add_argument("--world-size", type=positive_int, default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="ranks to size the memory for: WORLD_SIZE where set")
     args: argparse.Namespace = parser.parse_args(argv)
-    vocab, note = tool_vocab(args)
-    model = replace(model_config_from_args(args), vocab_size=vocab)
-    lines = size_report(model, args.seq_length, args.world_size, args.moe_expert_parallel_size)
+    if args.expert_tensor_parallel_size > 1:
+        raise ConfigError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: sizing holds experts whole "
+                          "on each tensor-parallel rank; leave it at 1")
+    layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.moe_expert_parallel_size,
+                    args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    vocabulary, note = tool_vocab(args)
+    model = replace(model_config_from_args(args), vocab_size=vocabulary.rows(layout.tp_size))
+    lines = size_report(model, args.seq_length, args.world_size, layout, args.zero_stage, vocabulary)
     print("\n".join([note, *lines] if note else lines), flush=True)
 
 
