@@ -32,7 +32,12 @@ def _runs(world: int) -> list[tuple[str, str, dict[str, object]]]:
                                  "zero_stage": 1}),
         ("dp2/zero1", "classic", {"zero_stage": 1}),
         ("ep2/zero1", "moe", {**ARCHITECTURES["moe"], "moe_expert_parallel_size": 2, "zero_stage": 1}),
+        ("tp2ep2/zero1", "moe", TP2_EP2),
     ]
+
+
+TP2_EP2 = {**ARCHITECTURES["moe"], "tensor_model_parallel_size": 2, "sequence_parallel": True,
+           "moe_expert_parallel_size": 2, "zero_stage": 1}
 
 
 def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
@@ -43,11 +48,17 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
         grid = build_parallel_grid(torch.device("cpu"), tp_size=tp, pp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)))
         result = _train(corpus, grid.dp_size, grid, pipeline_model_parallel_size=2, **flags)
         out.update({f"{key}/{name}": value for name, value in result.items()})
-    if world == 2:  # checkpoints: this layout's for one process, and one process's resumed here
+    # checkpoints: this layout's for one process, and one process's resumed here
+    if world == 2:
         grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
         _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=1, save=f"{folder}/pp2", save_interval=5)
         result = _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=0, load=f"{folder}/serial", ckpt_step=5)
-        out.update({f"resumed/{name}": value for name, value in result.items()})
+    else:  # TP=2 x PP=2 x EP=2
+        grid = build_parallel_grid(torch.device("cpu"), tp_size=2, pp_size=2, ep_size=2)
+        _train(corpus, 1, grid, pipeline_model_parallel_size=2, save=f"{folder}/tp2pp2ep2", save_interval=5, **TP2_EP2)
+        result = _train(corpus, 1, grid, pipeline_model_parallel_size=2, load=f"{folder}/serial_moe", ckpt_step=5,
+                        **{**TP2_EP2, "zero_stage": 0})
+    out.update({f"resumed/{name}": value for name, value in result.items()})
     return out
 
 
@@ -67,6 +78,7 @@ def serial(corpus, folder) -> dict[str, dict[str, torch.Tensor]]:
     runs = {arch: _train(corpus, 1, grid, **flags) for arch, flags in ARCHITECTURES.items()}
     runs["uneven"] = _train(corpus, 1, grid, **FOUR_LAYERS)
     assert_same(_train(corpus, 1, grid, save=f"{folder}/serial", save_interval=5), runs["classic"])
+    assert_same(_train(corpus, 1, grid, save=f"{folder}/serial_moe", save_interval=5, **ARCHITECTURES["moe"]), runs["moe"])
     return runs
 
 
@@ -95,13 +107,16 @@ def test_pipeline_parallel_training_equals_one_process(corpus, serial, folder, w
         for name, values in found.items():
             for value in values:
                 torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-6, msg=f"{key}/{name}")
-    if world == 2:
-        resumed = {name: values[0] for name, values in _stage_parameters(results, "resumed").items()}
-        resumed["losses"] = results[0]["resumed/losses"]
-        assert_same(resumed, serial["classic"], "PP=2 resumed from one process: ")
-        grid = single_process_grid(torch.device("cpu"))
-        assert_same(_train(corpus, 1, grid, zero_stage=1, load=f"{folder}/pp2", ckpt_step=5), serial["classic"],
-                    "one process resumed from PP=2: ")
+    layout, saved, reference, flags = ("PP=2", "pp2", "classic", {}) if world == 2 else (
+        "TP=2 x PP=2 x EP=2", "tp2pp2ep2", "moe", ARCHITECTURES["moe"])
+    for name, values in _stage_parameters(results, "resumed").items():
+        for value in values:
+            torch.testing.assert_close(value, serial[reference][name], rtol=1e-5, atol=2e-6,
+                                       msg=f"{layout} resumed from one process: {name}")
+    torch.testing.assert_close(results[0]["resumed/losses"], serial[reference]["losses"][5:], rtol=1e-5, atol=0)
+    grid = single_process_grid(torch.device("cpu"))
+    assert_same(_train(corpus, 1, grid, zero_stage=3, load=f"{folder}/{saved}", ckpt_step=5, **flags), serial[reference],
+                f"one process at stage 3 resumed from {layout}: ")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -115,9 +115,9 @@ class GPTModel(nn.Module):
     def new_kv_cache(self, batch: int, max_length: int | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_length` tokens (default: the most
         positions the model has)."""
-        if self.tp.enabled:
-            raise ConfigError("generation with a key/value cache under tensor parallelism is not built yet; "
-                              "generate from the checkpoint on one process")
+        if self.tp.enabled or self.stage.size > 1:
+            raise ConfigError("generation with a key/value cache under tensor or pipeline parallelism is not built "
+                              "yet; generate from the checkpoint on one process (tools/generate.py loads any layout)")
         c = self.config
         weight = self.word_embeddings.weight
         return KVCache(c.num_layers, batch, c.kv_heads, max_length or c.max_position_embeddings,

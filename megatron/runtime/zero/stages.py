@@ -167,8 +167,10 @@ class ZeroRuntime:
 
     def optimizer_state(self, owns_dense: bool, owns_experts: bool) -> dict[str, torch.Tensor]:
         """Every rank owns a slice of the optimizer state, whatever it owns of the model; the state of
-        parameters every tensor-parallel rank holds whole is written by the first of them."""
-        written = [p for p in self.partitions if self.tp_rank == 0 or tensor_parallel_split(p.params[0]) is not None]
+        dense parameters every tensor-parallel rank holds whole is written by the first of them
+        (experts are partitioned over their expert-data-parallel group, which spans tensor-parallel ranks)."""
+        written = [p for p in self.partitions
+                   if p.is_expert or self.tp_rank == 0 or tensor_parallel_split(p.params[0]) is not None]
         return partition_state_entries(self.optimizer, written)
 
     def load_optimizer_state(self, reader: ShardedReader, saved_groups: list[dict[str, Any]]) -> None:
