@@ -4,6 +4,9 @@ single-process run, losses to 1e-5 relative and the whole parameters after the s
 move between the layouts: saved at iteration 5 under one (TP, DP, ZeRO stage) and resumed under
 another, the run ends where the uninterrupted one does, optimizer state included."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,7 +64,7 @@ def _train(corpus: str, dp_size: int, grid, **flags: object) -> dict[str, torch.
     return {"losses": losses, **_whole_parameters(trainer)}
 
 
-def _runs(world: int) -> list[tuple[str, dict[str, object]]]:
+def _runs(world: int, folder: str) -> list[tuple[str, dict[str, object]]]:
     if world == 4:  # TP=2 x DP=2, and with MoE EP=2 inside it
         return [(f"modern/sp1/zero{stage}", {**ARCHITECTURES["modern"], "sequence_parallel": True, "zero_stage": stage})
                 for stage in (1, 3)] + [
@@ -73,16 +76,35 @@ def _runs(world: int) -> list[tuple[str, dict[str, object]]]:
     moe = [(f"{arch}/ep{ep}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
                                            "moe_expert_parallel_size": ep})
            for arch in ("moe", "modern_moe") for ep, stage in ((1, 0), (2, 1), (2, 3))]
-    return dense + moe
+    offloaded = [("modern/offload_nvme", {**MODERN_SP, **offload(folder, "nvme")}),
+                 ("moe/offload_cpu", {**ARCHITECTURES["moe"], "sequence_parallel": True, "moe_expert_parallel_size": 2,
+                                      **offload(folder, "cpu")})]
+    return dense + moe + offloaded
 
 
 MODERN_SP = {**ARCHITECTURES["modern"], "sequence_parallel": True}
+OFFLOADS = {  # optimizer offload to the CPU at stage 1; optimizer and parameters in NVMe swap files at stage 3
+    "cpu": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    "nvme": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP"},
+             "offload_param": {"device": "nvme", "nvme_path": "SWAP", "max_in_cpu": 0}},
+}
+
+
+def write_offload_configs(folder: str) -> None:
+    for kind, zero in OFFLOADS.items():
+        text = json.dumps({"zero_optimization": zero}).replace("SWAP", f"{folder}/swap")
+        (Path(folder) / f"offload_{kind}.json").write_text(text)
+
+
+def offload(folder: str, kind: str) -> dict[str, object]:
+    """The flags of a run with `OFFLOADS[kind]` (the files write_offload_configs wrote)."""
+    return {"deepspeed": True, "deepspeed_config": f"{folder}/offload_{kind}.json"}
 
 
 def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     world = dist.get_world_size()
     out = {}
-    for key, flags in _runs(world):
+    for key, flags in _runs(world, folder):
         grid = build_parallel_grid(torch.device("cpu"), tp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)))
         result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, **flags)
         out.update({f"{key}/{name}": value for name, value in result.items()})
@@ -105,7 +127,9 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("tp_checkpoints"))
+    path = str(tmp_path_factory.mktemp("tp_checkpoints"))
+    write_offload_configs(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +155,7 @@ def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_betwee
     corpus, serial, folder, world: int,
 ) -> None:
     results = run_distributed(_on_rank, world, corpus, folder)
-    for key, _ in _runs(world):
+    for key, _ in _runs(world, folder):
         want = serial[key.split("/")[0]]
         assert len(want["losses"]) == 10
         # each rank's loss is over its data-parallel share of the batch; the shares average to the whole

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
-from megatron.runtime.gradient_kinds import SLICE, WHOLE
+from megatron.runtime.gradient_kinds import SLICE, WHOLE, pipeline_shared
 from megatron.runtime.strategy import build_strategy
 from megatron.config.deepspeed_keys import no_effect_notes
 from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
@@ -206,14 +206,14 @@ class Engine:
             for line in no_effect_notes(config):
                 print(line, flush=True)
         self._broadcast_parameters()
-        # parameters the first and last pipeline stages both hold (a tied word embedding), summed at each step
-        self.pipeline_shared = [p for p in self.module.parameters() if getattr(p, "pipeline_shared", False)]
-        if parallel.pp_size > 1 and config.zero_optimization.stage > 1:
-            raise ConfigError(f"ZeRO stage {config.zero_optimization.stage} under pipeline parallelism is not built "
-                              "(DeepSpeed's pipeline engine has stage 1 at most too); use --zero-stage 0 or 1")
+        self.pipeline_shared = pipeline_shared(self.module)
+        if self.pipeline_shared and config.zero_optimization.stage > 1:
+            raise ConfigError(
+                f"ZeRO stage {config.zero_optimization.stage} reduces gradients during backward, before the tied word "
+                "embedding's gradient can be summed over the first and last pipeline stages; use --zero-stage 0 or 1, "
+                "or --untie-embeddings-and-output-weights"
+            )
         self.strategy = build_strategy(self.module, self.optimizer, config, parallel)
-        if self.pipeline_shared and self.strategy.stage == 1:
-            self.strategy.reduce_in_backward = False
         if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
             self.optimizer.prepare(self.strategy.swapped_stores())
 

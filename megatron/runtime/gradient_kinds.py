@@ -12,6 +12,12 @@ from megatron.model.tensor_parallel import tensor_parallel_split
 SLICE, WHOLE, COPY = "slice", "whole", "copy"
 
 
+def pipeline_shared(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the first and last pipeline stages both hold (a tied word embedding), whose
+    gradients are summed over the two before each step."""
+    return [p for p in module.parameters() if getattr(p, "pipeline_shared", False)]
+
+
 def gradient_kind(param: torch.Tensor) -> str:
     if getattr(param, "shared_with_first_stage", False):
         return COPY

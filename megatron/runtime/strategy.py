@@ -23,6 +23,7 @@ from torch import nn
 from megatron.checkpoint.tensors import ShardedReader
 from megatron.config.runtime_schema import RuntimeConfig
 from megatron.parallel import ParallelGrid
+from megatron.runtime.gradient_kinds import pipeline_shared
 from megatron.runtime.replicated import Replicated
 from megatron.runtime.swap.param_store import ShardStore
 from megatron.runtime.zero import ZeroRuntime
@@ -83,4 +84,4 @@ def build_strategy(
     if config.zero_optimization.stage == 0:
         return Replicated(module, optimizer, grid)
     return ZeroRuntime(module, optimizer, config.zero_optimization, grid.dp_group, grid.expert_dp_group,
-                       config.aio, grid.rank, grid.tp_rank)
+                       config.aio, grid.rank, grid.tp_rank, reduce_in_backward=not pipeline_shared(module))

@@ -49,7 +49,7 @@ class ZeroRuntime:
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
         dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
-        aio: AioConfig, rank: int, tp_rank: int = 0,
+        aio: AioConfig, rank: int, tp_rank: int = 0, reduce_in_backward: bool = True,
     ) -> None:
         """Partition each optimizer group's dense and expert parameters, and point the optimizer
         at the shards instead. The optimizer object and its groups stay the same (an LR schedule
@@ -58,7 +58,7 @@ class ZeroRuntime:
         self.tp_rank = tp_rank
         # False: stage 1 reduces at the step instead, after the engine summed the gradients of
         # parameters shared between pipeline stages
-        self.reduce_in_backward = True
+        self.reduce_in_backward = reduce_in_backward
         self.optimizer = optimizer
         self.dense_group, self.expert_group = dense_group, expert_group
         offload_param = config.offload_param
