@@ -16,8 +16,9 @@ megatron/parallel.py, world = tp x dp x pp:
   output layer (by vocabulary rows). Norms, position embeddings and everything in an MoE layer but
   its experts (router, PR-MoE residual MLP and coefficient, shared experts) are whole on each tp rank;
 - dense parameters are replicated over dp and partitioned over it by ZeRO; experts are split over
-  the expert-parallel group (ep, carved out of a stage's tp x dp ranks) and partitioned over their
-  expert-data-parallel group, tp x dp / ep ranks.
+  the expert-parallel group (ep, carved out of a stage's tp x dp ranks), each expert's hidden
+  features over the expert-tensor-parallel group (etp: w1, b1 and w2; the output bias b2 is whole),
+  and partitioned over their expert-data-parallel group, tp x dp / (ep x etp) ranks.
 Activations are not counted: they depend on micro-batch, sequence length and activation checkpointing.
 """
 
@@ -61,10 +62,12 @@ class ParameterCounts:
     """Parameters of a part of the model, by how the parallel layout divides them."""
     tp_split: int = 0  # split over the tensor-parallel ranks
     tp_whole: int = 0  # whole on every tensor-parallel rank
-    expert: int = 0  # in MoE experts: split over expert parallelism, whole on every tensor-parallel rank
+    expert: int = 0  # in MoE experts: split over expert and expert-tensor parallelism
+    expert_tp_whole: int = 0  # the experts' output biases: split over expert parallelism only
 
     def __add__(self, other: "ParameterCounts") -> "ParameterCounts":
-        return ParameterCounts(self.tp_split + other.tp_split, self.tp_whole + other.tp_whole, self.expert + other.expert)
+        return ParameterCounts(self.tp_split + other.tp_split, self.tp_whole + other.tp_whole, self.expert + other.expert,
+                               self.expert_tp_whole + other.expert_tp_whole)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class ModelSize:
 class RankParameters:
     """What one rank of a pipeline stage holds before ZeRO partitions it."""
     dense: float  # its tensor-parallel slice of the split parameters and the whole-per-rank ones
-    expert: float  # its expert-parallel share of the stage's experts
+    expert: float  # its expert-parallel (and expert-tensor-parallel) share of the stage's experts
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class RankMemory:
 
 
 def _parameter_kinds(model: GPTModel) -> dict[str, str]:
-    """Each parameter's name -> "expert", "tp_split" or "tp_whole" (see the module's docstring)."""
+    """Each parameter's name -> "expert", "expert_tp_whole", "tp_split" or "tp_whole" (see the module's docstring)."""
     in_moe = {f"{name}.{p}" for name, module in model.named_modules() if isinstance(module, MoELayer)
               for p, _ in module.named_parameters()}
     kinds = {}
@@ -109,8 +112,10 @@ def _parameter_kinds(model: GPTModel) -> dict[str, str]:
         holder = module.rpartition(".")[2]
         split = (holder in COLUMN_PARALLEL or holder in VOCAB_PARALLEL
                  or (holder in ROW_PARALLEL and leaf == "weight"))
-        kinds[name] = ("expert" if expert_ids(param) is not None else
-                       "tp_whole" if name in in_moe or not split else "tp_split")
+        if expert_ids(param) is not None:
+            kinds[name] = "expert_tp_whole" if name.endswith("experts.b2") else "expert"
+        else:
+            kinds[name] = "tp_whole" if name in in_moe or not split else "tp_split"
     return kinds
 
 
@@ -158,20 +163,25 @@ def stage_parameters(size: ModelSize, pp_size: int = 1, first_stage_layers: int 
 
 
 def rank_parameters(size: ModelSize, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
-                    first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[RankParameters]:
-    """What one rank of each pipeline stage holds before ZeRO: dense split by TP, experts by EP."""
-    return [RankParameters(stage.tp_split / tp_size + stage.tp_whole, stage.expert / ep_size)
+                    first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                    expert_tp_size: int = 1) -> list[RankParameters]:
+    """What one rank of each pipeline stage holds before ZeRO: dense split by TP, experts by EP and expert-TP."""
+    return [RankParameters(stage.tp_split / tp_size + stage.tp_whole,
+                           stage.expert / (ep_size * expert_tp_size) + stage.expert_tp_whole / ep_size)
             for stage in stage_parameters(size, pp_size, first_stage_layers, last_stage_layers)]
 
 
 def rank_memory(size: ModelSize, world_size: int, ep_size: int, zero_stage: int, tp_size: int = 1, pp_size: int = 1,
-                first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> RankMemory:
+                first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                expert_tp_size: int = 1) -> RankMemory:
     """Bytes per rank of the most loaded pipeline stage for `world_size` ranks as tp x dp x pp, experts
-    split `ep_size` ways, ZeRO stage 0-3 (dense partitioned over dp, experts over tp x dp / ep)."""
-    check_parallel_sizes(world_size, tp_size, pp_size, ep_size)
-    dp_size, expert_dp_size = world_size // (tp_size * pp_size), world_size // (pp_size * ep_size)
+    split `ep_size` x `expert_tp_size` ways, ZeRO stage 0-3 (dense partitioned over dp, experts over
+    tp x dp / (ep x etp))."""
+    check_parallel_sizes(world_size, tp_size, pp_size, ep_size, expert_tp_size)
+    dp_size, expert_dp_size = world_size // (tp_size * pp_size), world_size // (pp_size * ep_size * expert_tp_size)
     stages = []
-    for stage, held in enumerate(rank_parameters(size, tp_size, pp_size, ep_size, first_stage_layers, last_stage_layers)):
+    held_by_stage = rank_parameters(size, tp_size, pp_size, ep_size, first_stage_layers, last_stage_layers, expert_tp_size)
+    for stage, held in enumerate(held_by_stage):
         replica = held.dense + held.expert  # what one rank holds without ZeRO
         shard = held.dense / dp_size + held.expert / expert_dp_size
         stages.append(RankMemory(
@@ -183,18 +193,20 @@ def rank_memory(size: ModelSize, world_size: int, ep_size: int, zero_stage: int,
     return max(stages, key=lambda memory: memory.total)  # the first of equals
 
 
-def valid_ep_sizes(config: GPTConfig, world_size: int, pp_size: int = 1) -> list[int]:
-    """Expert-parallel sizes that divide a pipeline stage's ranks and every MoE layer's expert count."""
+def valid_ep_sizes(config: GPTConfig, world_size: int, pp_size: int = 1, expert_tp_size: int = 1) -> list[int]:
+    """Expert-parallel sizes that (times expert-TP) divide a pipeline stage's ranks and that divide
+    every MoE layer's expert count."""
     counts = [c for c in config.experts_per_layer if c > 1]
-    stage_ranks = world_size // pp_size
+    stage_ranks = world_size // (pp_size * expert_tp_size)
     return [ep for ep in range(1, stage_ranks + 1) if stage_ranks % ep == 0 and all(c % ep == 0 for c in counts)] \
         if counts else [1]
 
 
 def check_layout(config: GPTConfig, world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
-                 first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> None:
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                 expert_tp_size: int = 1) -> None:
     """Raise a ConfigError unless the model splits over this layout of `world_size` ranks."""
-    check_parallel_sizes(world_size, tp_size, pp_size, ep_size)
+    check_parallel_sizes(world_size, tp_size, pp_size, ep_size, expert_tp_size)
     has_dense_mlp = 1 in config.experts_per_layer  # MoE layers' own MLPs stay whole under TP
     for count, flag, splits in ((config.num_attention_heads, "--num-attention-heads", True),
                                 (config.kv_heads, "--num-query-groups", True),
@@ -209,6 +221,9 @@ def check_layout(config: GPTConfig, world_size: int, tp_size: int = 1, pp_size: 
     if uneven:
         raise ConfigError(f"{uneven[0]} experts cannot be split over --moe-expert-parallel-size {ep_size}; "
                           "choose an expert-parallel size that divides every layer's expert count")
+    if config.is_moe and config.moe_ffn_hidden_size % expert_tp_size:
+        raise ConfigError(f"the experts' hidden size {config.moe_ffn_hidden_size} is not divisible by "
+                          f"--expert-tensor-parallel-size {expert_tp_size}; choose sizes that divide it")
     layer_counts(config.num_layers, pp_size, first_stage_layers, last_stage_layers)
 
 
@@ -278,11 +293,14 @@ class Layout:
     ep_size: int = 1
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    expert_tp_size: int = 1
 
     @property
     def stages(self) -> dict[str, int | None]:
-        """The uneven first/last stages as keyword arguments (layer_counts ignores them without pipelining)."""
-        return {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+        """The uneven first/last stages and the expert-TP size as keyword arguments (layer_counts
+        ignores the stages without pipelining)."""
+        return {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers,
+                "expert_tp_size": self.expert_tp_size}
 
 
 def layout_rows(config: GPTConfig, seq_length: int, world_size: int, layout: Layout, zero_stage: int,
@@ -294,7 +312,7 @@ def layout_rows(config: GPTConfig, seq_length: int, world_size: int, layout: Lay
     uneven = ", ".join(f"{n} on the {where} stage" for where, n in
                        (("first", layout.first_stage_layers), ("last", layout.last_stage_layers)) if n is not None)
     lines = [f"memory per rank in GiB for each layout of {world_size} rank(s) at ZeRO stage {zero_stage} and EP size "
-             f"{layout.ep_size}, the most loaded pipeline stage (layers {f'{uneven}, the rest ' if uneven else ''}split "
+             f"{layout.ep_size}{f' x expert-TP {layout.expert_tp_size}' if layout.expert_tp_size > 1 else ''}, the most loaded pipeline stage (layers {f'{uneven}, the rest ' if uneven else ''}split "
              "evenly; vocabulary padded for each TP size); * this run's layout",
              f"{'TP':>4} {'PP':>4} {'DP':>5} {'EP-DP':>6} {'stage':>6} {MEMORY_HEADER}"]
     for tp in (n for n in range(1, world_size + 1) if world_size % n == 0):
@@ -309,7 +327,8 @@ def layout_rows(config: GPTConfig, seq_length: int, world_size: int, layout: Lay
                 sizes[rows] = model_size(model, seq_length)
             m = rank_memory(sizes[rows], world_size, layout.ep_size, zero_stage, tp, pp, **layout.stages)
             mark = " *" if (tp, pp) == (layout.tp_size, layout.pp_size) else ""
-            lines.append(f"{tp:>4} {pp:>4} {world_size // (tp * pp):>5} {world_size // (pp * layout.ep_size):>6} "
+            expert_dp = world_size // (pp * layout.ep_size * layout.expert_tp_size)
+            lines.append(f"{tp:>4} {pp:>4} {world_size // (tp * pp):>5} {expert_dp:>6} "
                          f"{m.stage:>6} {_memory_columns(m)}{mark}")
     return lines
 
@@ -335,10 +354,11 @@ def size_report(config: GPTConfig, seq_length: int, world_size: int, layout: Lay
         f"training FLOPs per token: {with_scale(size.flops_per_token)}, forward + backward over the active parameters",
         f"memory per rank in GiB on {world_size} rank(s){grid}: fp32 weights and gradients, Adam moments "
         "(+ fp32 master partition under ZeRO); activations not included"
-        + ("; the most loaded pipeline stage" if pp > 1 else "") + "; * this run's EP size",
+        + ("; the most loaded pipeline stage" if pp > 1 else "")
+        + (f"; experts split over expert-TP {layout.expert_tp_size}" if layout.expert_tp_size > 1 else "") + "; * this run's EP size",
         f"{'EP size':>8} {'ZeRO':>5} {MEMORY_HEADER}" + (f" {'stage':>6}" if pp > 1 else ""),
     ]
-    for ep in valid_ep_sizes(config, world_size, pp):
+    for ep in valid_ep_sizes(config, world_size, pp, layout.expert_tp_size):
         for stage in ZERO_STAGES:
             m = rank_memory(size, world_size, ep, stage, tp, pp, **layout.stages)
             mark = " *" if ep == layout.ep_size else ""
@@ -350,7 +370,7 @@ def dry_run(config: PretrainConfig, world: int) -> None:
     """`pretrain_gpt.py --dry-run`: the size of the model these (checked) flags train on `world` ranks."""
     t = config.training
     layout = Layout(t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size, t.first_stage_layers,
-                    t.last_stage_layers)
+                    t.last_stage_layers, t.expert_tensor_parallel_size)
     vocabulary = sizing_vocab(config.flags)
     model = replace(config.model, vocab_size=vocabulary.rows(layout.tp_size))
     zero_stage = config.runtime_config(world // (layout.tp_size * layout.pp_size)).zero_optimization.stage
@@ -379,11 +399,9 @@ def _size(argv: list[str] | None) -> None:
     parser.add_argument("--world-size", type=positive_int, default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="ranks to size the memory for: WORLD_SIZE where set")
     args: argparse.Namespace = parser.parse_args(argv)
-    if args.expert_tensor_parallel_size > 1:
-        raise ConfigError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: sizing holds experts whole "
-                          "on each tensor-parallel rank; leave it at 1")
     layout = Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.moe_expert_parallel_size,
-                    args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                    args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                    args.expert_tensor_parallel_size)
     vocabulary, note = tool_vocab(args)
     model = replace(model_config_from_args(args), vocab_size=vocabulary.rows(layout.tp_size))
     lines = size_report(model, args.seq_length, args.world_size, layout, args.zero_stage, vocabulary)

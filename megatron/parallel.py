@@ -85,6 +85,12 @@ class ParallelGrid:
         """Global rank of the next pipeline stage at this tp/dp position; None on the last stage."""
         return None if self.is_last_stage else self.rank + self.tp_size * self.dp_size
 
+    def checkpoint_owners(self) -> dict[str, bool]:
+        """Which whole tensors this rank writes to a checkpoint: a pipeline stage's dense ones (gathered
+        over tp) by its first rank, each expert's (gathered over expert-tp) by the first of its copies."""
+        return {"owns_dense": self.dp_rank == 0 and self.tp_rank == 0,
+                "owns_experts": self.expert_dp_rank == 0 and self.expert_tp_rank == 0}
+
     def describe(self) -> str:
         return (f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size}; "
                 f"ep {self.ep_size} x etp {self.expert_tp_size} x expert-dp {self.expert_dp_size}")

@@ -87,6 +87,7 @@ class Trainer:
         self.grid = grid
         t = config.training
         built = {"expert": (grid.ep_size, t.expert_parallel_size), "tensor": (grid.tp_size, t.tensor_parallel_size),
+                 "expert-tensor": (grid.expert_tp_size, t.expert_tensor_parallel_size),
                  "pipeline": (grid.pp_size, t.pipeline_parallel_size)}
         for kind, (grid_size, flag_size) in built.items():
             if grid_size != flag_size:
@@ -106,7 +107,7 @@ class Trainer:
         # as Megatron pads it: every tensor-parallel rank gets an equal share of whole multiples
         vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by * grid.tp_size)
         self.model_config = replace(config.model, vocab_size=vocab)
-        tp = TensorParallel(grid.tp_group, t.sequence_parallel)
+        tp = TensorParallel(grid.tp_group, t.sequence_parallel, grid.expert_tp_group)
         stage = pipeline_stage(config.model.num_layers, grid.pp_size, grid.pp_rank, t.first_stage_layers, t.last_stage_layers)
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor(model)

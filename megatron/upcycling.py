@@ -32,6 +32,7 @@ from megatron.errors import ConfigError
 from megatron.inference.checkpoint_model import checkpoint_folder, model_config_from_state, read_client_state
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
+from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import ParallelGrid
 
 # what must match between the dense checkpoint and the MoE model for weights to carry over
@@ -89,10 +90,16 @@ def upcycle(model: GPTModel, dense_tensor: Callable[[str], torch.Tensor], dense:
             _upcycle_layer(moe, prefix, dense_tensor, granularity, model.config.swiglu)
         for name, tensor in model.state_dict(keep_vars=True).items():
             if not any(name.startswith(prefix) for prefix in moe_layers):
-                tensor.copy_(dense_tensor(name))
+                tensor.copy_(own_part(tensor, dense_tensor(name)))
     experts = "its layer's dense MLP" if granularity == 1 else f"one of {granularity} slices of its layer's dense MLP"
     scales = sorted({activation_scale(moe, granularity) for moe in moe_layers.values()})
     return f" > upcycled: each expert is {experts}, second weights scaled by {', '.join(f'{s:g}' for s in scales)}"
+
+
+def own_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `whole`: its tensor-parallel slice, or all of it."""
+    split = tensor_parallel_split(param)
+    return whole if split is None else split.slice_of(whole)
 
 
 def activation_scale(moe: MoELayer, granularity: int) -> float:
@@ -106,22 +113,28 @@ def activation_scale(moe: MoELayer, granularity: int) -> float:
 def _upcycle_layer(
     moe: MoELayer, prefix: str, dense_tensor: Callable[[str], torch.Tensor], granularity: int, swiglu: bool,
 ) -> None:
-    experts, f = moe.experts, moe.experts.w2.shape[1]
+    experts = moe.experts
     scale = activation_scale(moe, granularity)
     w_in_WH = dense_tensor(prefix + "dense_h_to_4h.weight")
     w_out_HF = dense_tensor(prefix + "dense_4h_to_h.weight")
+    f = w_out_HF.shape[1] // granularity
     bias = experts.b1 is not None
     b_in_W = dense_tensor(prefix + "dense_h_to_4h.bias") if bias else None
     b_out_H = dense_tensor(prefix + "dense_4h_to_h.bias") if bias else None
-    for local, global_id in enumerate(experts.w1.expert_global_ids):
+    whole: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "b1": [], "b2": []}
+    for global_id in experts.w1.expert_global_ids:
         own = torch.arange(global_id % granularity * f, (global_id % granularity + 1) * f)
         # SwiGLU's first weight holds the gate rows, then the up rows: both halves are sliced alike
         rows = torch.cat([own, own + w_out_HF.shape[1]]) if swiglu else own
-        experts.w1[local] = w_in_WH[rows].t()
-        experts.w2[local] = w_out_HF[:, own].t() * scale
+        whole["w1"].append(w_in_WH[rows].t())
+        whole["w2"].append(w_out_HF[:, own].t() * scale)
         if bias:
-            experts.b1[local] = b_in_W[rows]
-            experts.b2[local] = b_out_H * (scale / granularity)  # the g slices of a copy each add it
+            whole["b1"].append(b_in_W[rows])
+            whole["b2"].append(b_out_H * (scale / granularity))  # the g slices of a copy each add it
+    for name, tensors in whole.items():
+        if tensors:  # each expert whole, then this rank's slice under expert tensor parallelism
+            param = getattr(experts, name)
+            param.copy_(own_part(param, torch.stack(tensors)))
     router_EH = moe.router.weight
     router_EH.copy_(router_EH[: moe.num_experts // granularity].repeat_interleave(granularity, dim=0))
     if moe.residual_mlp is not None:

@@ -165,7 +165,8 @@ def test_moe_stage_holds_its_expert_parallel_share_of_the_experts_whole_on_each_
     size = model_size(tiny("--num-experts 4"), 16)  # layer 1 is MoE: 4 experts of an 8 -> 32 -> 8 MLP
     experts = 4 * (8 * 32 + 32 + 32 * 8 + 8)
     router = 4 * 8  # whole on every TP rank, like the layer's norms and the attention's dense bias
-    assert size.layers[1] == ParameterCounts(tp_split=216 + 64, tp_whole=2 * 16 + 8 + router, expert=experts)
+    assert size.layers[1] == ParameterCounts(tp_split=216 + 64, tp_whole=2 * 16 + 8 + router, expert=experts - 4 * 8,
+                                             expert_tp_whole=4 * 8)
     # TP 2 x PP 2, EP 2: the last stage holds layer 1's attention split, its router whole and half the experts
     last = RankParameters((280 + 256) / 2 + 72 + 16, experts / 2)
     assert rank_parameters(size, tp_size=2, pp_size=2, ep_size=2) == [RankParameters(716, 0), last]
@@ -177,6 +178,12 @@ def test_moe_stage_holds_its_expert_parallel_share_of_the_experts_whole_on_each_
     memory = rank_memory(size, world_size=8, ep_size=4, zero_stage=3, tp_size=2, pp_size=2)
     assert memory.total == pytest.approx(20 * (356 / 2 + 552))
     assert valid_ep_sizes(tiny("--num-experts 4"), 8, pp_size=2) == [1, 2, 4]
+    # expert-TP 2 halves each expert's w1, b1 and w2 (not its output bias b2) and the expert-DP group
+    split_last = RankParameters(356, (experts - 4 * 8) / 4 + 4 * 8 / 2)
+    assert rank_parameters(size, tp_size=2, pp_size=2, ep_size=2, expert_tp_size=2) == [RankParameters(716, 0), split_last]
+    memory = rank_memory(size, world_size=8, ep_size=2, zero_stage=3, tp_size=2, pp_size=2, expert_tp_size=2)
+    assert memory.total == pytest.approx(20 * (356 / 2 + split_last.expert))
+    assert valid_ep_sizes(tiny("--num-experts 4"), 8, pp_size=2, expert_tp_size=2) == [1, 2]
 
 
 def test_layouts_at_tp_1_and_pp_1_keep_the_earlier_results():
@@ -188,7 +195,7 @@ def test_layouts_at_tp_1_and_pp_1_keep_the_earlier_results():
     for pp in (2, 4, 8):
         stages = stage_parameters(size, pp)
         assert sum(s.tp_split + s.tp_whole for s in stages) == size.dense + size.tied_output
-        assert sum(s.expert for s in stages) == size.expert
+        assert sum(s.expert + s.expert_tp_whole for s in stages) == size.expert
 
 
 def test_uneven_first_and_last_stages_take_the_layers_megatron_gives_them():
@@ -211,7 +218,7 @@ def test_stages_hold_what_the_pipeline_stage_model_holds(flags, pp, first):
     for rank, stage in enumerate(stages):
         with torch.device("meta"):
             model = GPTModel(config, stage=pipeline_stage(4, pp, rank, first))
-        assert sum(p.numel() for p in model.parameters()) == stage.tp_split + stage.tp_whole + stage.expert, rank
+        assert sum(p.numel() for p in model.parameters()) == stage.tp_split + stage.tp_whole + stage.expert + stage.expert_tp_whole, rank
 
 
 @pytest.mark.parametrize("sizes, message", [
@@ -232,8 +239,8 @@ def _local_parameters_on_rank() -> dict[str, torch.Tensor]:
     group = dist.new_group([0, 1])
     out = {}
     for case, flags in TP_CASES.items():
-        with torch.device("meta"):
-            model = GPTModel(tiny(flags), tp=TensorParallel(group, sequence_parallel=True))
+        with torch.device("meta"):  # the experts split over the same ranks in the expert-TP case
+            model = GPTModel(tiny(flags), tp=TensorParallel(group, True, group if case == "expert_tp" else None))
         for kind, split in (("split", True), ("whole", False)):
             out[f"{case}/{kind}"] = torch.tensor(sum(p.numel() for p in model.parameters()
                                                      if (tensor_parallel_split(p) is not None) == split))
@@ -246,6 +253,7 @@ TP_CASES = {
               "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope",
     "pr_moe": "--num-experts 4 --mlp-type residual",
     "shared_experts": "--num-experts 4 --moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate",
+    "expert_tp": "--num-experts 4 --swiglu",
 }
 
 
@@ -255,8 +263,9 @@ def test_sizing_splits_what_the_tensor_parallel_model_splits():
         size = model_size(tiny(flags), 16)
         counts = sum((*size.layers, size.embedding, size.head), ParameterCounts())
         for rank in ranks:
+            split_experts, whole_experts = (counts.expert, 0) if case == "expert_tp" else (0, counts.expert)
             assert (rank[f"{case}/split"].item(), rank[f"{case}/whole"].item()) == \
-                (counts.tp_split / 2, counts.tp_whole + counts.expert), case
+                (counts.tp_split / 2 + split_experts / 2, counts.tp_whole + whole_experts + counts.expert_tp_whole), case
 
 
 def test_model_size_tool_prints_memory_for_every_layout(capsys):

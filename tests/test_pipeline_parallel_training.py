@@ -1,6 +1,6 @@
 """Training under pipeline parallelism (1F1B) equals training on one process: 10 iterations of the
 Trainer at PP=2 (tied and untied embeddings, dense and MoE, ZeRO 0 and 1, an uneven split), at
-TP=2 x PP=2, PP=2 x DP=2 and PP=2 x EP=2, losses to 1e-5 relative and every stage's parameters after
+TP=2 x PP=2, PP=2 x DP=2, PP=2 x EP=2 and PP=2 x expert-TP=2, losses to 1e-5 relative and every stage's parameters after
 the steps; checkpoints move between PP=2 and one process."""
 
 import pytest
@@ -37,6 +37,7 @@ def _runs(world: int, folder: str) -> list[tuple[str, str, dict[str, object]]]:
         ("dp2/zero3", "modern", {**ARCHITECTURES["modern"], "zero_stage": 3}),
         ("ep2/zero1", "moe", {**ARCHITECTURES["moe"], "moe_expert_parallel_size": 2, "zero_stage": 1}),
         ("tp2ep2/zero1", "moe", TP2_EP2),
+        ("dp2etp2/zero3", "modern_moe", {**ARCHITECTURES["modern_moe"], "expert_tensor_parallel_size": 2, "zero_stage": 3}),
     ]
 
 
@@ -49,7 +50,8 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     out = {}
     for key, _, flags in _runs(world, folder):
         tp = int(flags.get("tensor_model_parallel_size", 1))
-        grid = build_parallel_grid(torch.device("cpu"), tp_size=tp, pp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)))
+        grid = build_parallel_grid(torch.device("cpu"), tp_size=tp, pp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)),
+                                   expert_tp_size=int(flags.get("expert_tensor_parallel_size", 1)))
         result = _train(corpus, grid.dp_size, grid, pipeline_model_parallel_size=2, **flags)
         out.update({f"{key}/{name}": value for name, value in result.items()})
     if world == 2:  # tied embeddings need their gradients summed over the stages before stage 2 reduces them

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron.checkpoint.tensors import expert_ids
 from megatron.errors import ConfigError
-from megatron.model.tensor_parallel import tensor_parallel_split, unshard
+from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
@@ -49,8 +49,8 @@ def _whole_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     with trainer.engine.whole_parameters():
         for name, param in trainer.engine.module.named_parameters():
             value, split = param.detach().clone(), tensor_parallel_split(param)
-            if split is not None:
-                value = unshard(_gathered(value, grid.tp_group, grid.tp_size), split.dim, split.partition_sizes)
+            if split is not None:  # over the tensor-parallel group, or the experts' own
+                value = split.whole_of(value)
             if expert_ids(param) is not None and grid.ep_size > 1:  # consecutive ids on consecutive EP ranks
                 value = torch.cat(_gathered(value, grid.ep_group, grid.ep_size))
             out[name] = value
@@ -65,24 +65,37 @@ def _train(corpus: str, dp_size: int, grid, **flags: object) -> dict[str, torch.
 
 
 def _runs(world: int, folder: str) -> list[tuple[str, dict[str, object]]]:
-    if world == 4:  # TP=2 x DP=2, and with MoE EP=2 inside it
+    """(key, flags) of each run; TP=2 unless the flags say otherwise."""
+    if world == 4:  # TP=2 x DP=2, and with MoE EP=2 inside it, with whole or split (expert-TP=2) experts
         return [(f"modern/sp1/zero{stage}", {**ARCHITECTURES["modern"], "sequence_parallel": True, "zero_stage": stage})
                 for stage in (1, 3)] + [
-            (f"{arch}/ep2/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
-                                         "moe_expert_parallel_size": 2}) for arch, stage in (("moe", 1), ("modern_moe", 3))]
+            (f"{arch}/ep2{etp_key}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
+                                                  "moe_expert_parallel_size": 2, **etp})
+            for arch, stage in (("moe", 1), ("modern_moe", 3)) for etp_key, etp in (("", {}), ("_etp2", ETP2))]
     dense = [(f"{arch}/sp{int(sp)}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": sp, "zero_stage": stage})
              for arch in ("classic", "modern") for sp in (False, True) for stage in (0, 1, 3)]
     # MoE under tensor parallelism needs sequence parallelism; experts whole on both ranks (EP=1) or split (EP=2)
     moe = [(f"{arch}/ep{ep}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
                                            "moe_expert_parallel_size": ep})
            for arch in ("moe", "modern_moe") for ep, stage in ((1, 0), (2, 1), (2, 3))]
+    # experts split over expert-TP=2: the dense layers' TP group (TP=2), or two data-parallel ranks (TP=1)
+    expert_tp = [("moe/etp2/zero0", {**ARCHITECTURES["moe"], "sequence_parallel": True, "zero_stage": 0, **ETP2}),
+                 ("modern_moe/etp2/zero3", {**ARCHITECTURES["modern_moe"], "sequence_parallel": True, "zero_stage": 3, **ETP2}),
+                 ("moe/tp1_etp2/zero1", {**ARCHITECTURES["moe"], "zero_stage": 1, **TP1_ETP2})]
     offloaded = [("modern/offload_nvme", {**MODERN_SP, **offload(folder, "nvme")}),
                  ("moe/offload_cpu", {**ARCHITECTURES["moe"], "sequence_parallel": True, "moe_expert_parallel_size": 2,
                                       **offload(folder, "cpu")})]
-    return dense + moe + offloaded
+    return dense + moe + expert_tp + offloaded
 
 
 MODERN_SP = {**ARCHITECTURES["modern"], "sequence_parallel": True}
+ETP2 = {"expert_tensor_parallel_size": 2}
+TP1_ETP2 = {"tensor_model_parallel_size": 1, **ETP2}
+# the expert-TP checkpoints: saved under this layout for one process, and one process's resumed under it
+EXPERT_TP_LAYOUTS = {
+    2: ({**ARCHITECTURES["modern_moe"], **TP1_ETP2}, 1, 3),  # flags, ZeRO stage saved, ZeRO stage resumed
+    4: ({**ARCHITECTURES["modern_moe"], "sequence_parallel": True, "moe_expert_parallel_size": 2, **ETP2}, 3, 1),
+}
 OFFLOADS = {  # optimizer offload to the CPU at stage 1; optimizer and parameters in NVMe swap files at stage 3
     "cpu": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
     "nvme": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP"},
@@ -101,13 +114,20 @@ def offload(folder: str, kind: str) -> dict[str, object]:
     return {"deepspeed": True, "deepspeed_config": f"{folder}/offload_{kind}.json"}
 
 
+def _train_in_layout(corpus: str, **flags: object) -> dict[str, torch.Tensor]:
+    """A run in the layout its flags ask for (TP=2 unless they say otherwise)."""
+    flags = {"tensor_model_parallel_size": 2, **flags}
+    grid = build_parallel_grid(torch.device("cpu"), tp_size=int(flags["tensor_model_parallel_size"]),
+                               ep_size=int(flags.get("moe_expert_parallel_size", 1)),
+                               expert_tp_size=int(flags.get("expert_tensor_parallel_size", 1)))
+    return _train(corpus, grid.dp_size, grid, **flags)
+
+
 def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     world = dist.get_world_size()
     out = {}
     for key, flags in _runs(world, folder):
-        grid = build_parallel_grid(torch.device("cpu"), tp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)))
-        result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, **flags)
-        out.update({f"{key}/{name}": value for name, value in result.items()})
+        out.update({f"{key}/{name}": value for name, value in _train_in_layout(corpus, **flags).items()})
     # a checkpoint of this layout for the single process, and resumes of the single process's
     grid = build_parallel_grid(torch.device("cpu"), tp_size=2)
     stage = 1 if world == 2 else 3
@@ -117,6 +137,10 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
         result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, zero_stage=resumed_stage,
                         load=f"{folder}/serial", ckpt_step=5, **MODERN_SP)
         out.update({f"resumed{resumed_stage}/{name}": value for name, value in result.items()})
+    flags, saved_stage, resumed_stage = EXPERT_TP_LAYOUTS[world]
+    _train_in_layout(corpus, zero_stage=saved_stage, save=f"{folder}/etp2_w{world}", save_interval=5, **flags)
+    result = _train_in_layout(corpus, zero_stage=resumed_stage, load=f"{folder}/serial_moe", ckpt_step=5, **flags)
+    out.update({f"moe_resumed/{name}": value for name, value in result.items()})
     return out
 
 
@@ -135,10 +159,10 @@ def folder(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def serial(corpus, folder) -> dict[str, dict[str, torch.Tensor]]:
     grid = single_process_grid(torch.device("cpu"))
-    runs = {arch: _train(corpus, 1, grid, **flags) for arch, flags in ARCHITECTURES.items()}
-    # the modern run again, saving at iteration 5 for the tensor-parallel resumes
-    assert_same(_train(corpus, 1, grid, save=f"{folder}/serial", save_interval=5, **ARCHITECTURES["modern"]), runs["modern"])
-    return runs
+    # the modern runs save at iteration 5 for the tensor-parallel resumes
+    saved = {"modern": f"{folder}/serial", "modern_moe": f"{folder}/serial_moe"}
+    return {arch: _train(corpus, 1, grid, **flags, **({"save": saved[arch], "save_interval": 5} if arch in saved else {}))
+            for arch, flags in ARCHITECTURES.items()}
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
@@ -177,11 +201,19 @@ def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_betwee
     for stage in (0, 3):
         resumed = _train(corpus, 1, grid, zero_stage=stage, load=f"{folder}/tp2_w{world}", ckpt_step=5, **ARCHITECTURES["modern"])
         assert_same(resumed, serial["modern"], f"one process at stage {stage} resumed from TP=2 x DP={world // 2}: ")
+    # split experts: one process's MoE checkpoint resumed under expert-TP, and expert-TP's by one process
+    resumed = {name[len("moe_resumed/"):]: value for name, value in results[0].items() if name.startswith("moe_resumed/")}
+    resumed["losses"] = torch.stack([r["moe_resumed/losses"] for r in results]).mean(0)
+    assert_same(resumed, serial["modern_moe"], f"expert-TP=2 on {world} ranks resumed from one process: ")
+    for stage in (0, 3):
+        resumed = _train(corpus, 1, grid, zero_stage=stage, load=f"{folder}/etp2_w{world}", ckpt_step=5,
+                         **ARCHITECTURES["modern_moe"])
+        assert_same(resumed, serial["modern_moe"], f"one process at stage {stage} resumed from expert-TP=2 on {world} ranks: ")
 
 
 @pytest.mark.parametrize("flags, message", [
     ({"sequence_parallel": True}, "--sequence-parallel splits the activations between tensor-parallel regions"),
-    ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size 2: expert tensor parallelism is not built yet"),
+    ({"expert_tensor_parallel_size": 2, "load_teacher": "teacher"}, "MoS distillation under --expert-tensor-parallel-size 2"),
 ])
 def test_what_tensor_parallelism_does_not_cover_yet_stops_with_one_sentence(corpus, flags, message) -> None:
     with pytest.raises(ConfigError, match=message):

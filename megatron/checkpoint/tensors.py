@@ -27,6 +27,7 @@ from megatron.errors import CheckpointError
 from megatron.model.tensor_parallel import TP_SLICE_MARK, tensor_parallel_split, unshard
 
 SLICE_ENTRY = re.compile(rf"(?P<name>.+){TP_SLICE_MARK}0of(?P<count>\d+)")
+EXPERT_ENTRY = re.compile(r"(?P<name>.+)\[\d+\]")  # one expert of a stacked tensor
 # a tensor-parallel tensor's split as engine.json records it: name -> (dim, partition sizes or None)
 SplitTable = dict[str, tuple[int, tuple[int, ...] | None]]
 
@@ -125,14 +126,23 @@ class ShardedReader:
         """Entry `name` as TP=1 holds it (`shape`), saved whole or as tensor-parallel slices."""
         if self.has(name):
             return self.get(name, shape)
-        base, count = name.split("/", 1)[-1], self.slice_counts.get(name)
-        if count is None or base not in self.splits:
+        count, split = self.slice_counts.get(name), self._split_of(name.split("/", 1)[-1])
+        if count is None or split is None:
             return self.get(name, shape)  # the error that names the missing entry
-        dim, parts = self.splits[base]
+        dim, parts = split
         slice_shape = list(shape)
         slice_shape[dim] //= count
         return unshard([self.get(f"{name}{TP_SLICE_MARK}{r}of{count}", torch.Size(slice_shape)) for r in range(count)],
                        dim, parts)
+
+    def _split_of(self, base: str) -> tuple[int, tuple[int, ...] | None] | None:
+        """How the saving run split tensor `base`, or one expert `base` of a stacked tensor (one dim less)."""
+        if base in self.splits:
+            return self.splits[base]
+        if (expert := EXPERT_ENTRY.fullmatch(base)) and expert["name"] in self.splits:
+            dim, parts = self.splits[expert["name"]]
+            return dim - 1, parts
+        return None
 
     def get_like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Entry `name` in the layout `tensor` has on this rank (whole, or its tensor-parallel slice),
@@ -145,9 +155,13 @@ class ShardedReader:
         return split.slice_of(self.get_whole(name, split.whole_shape(tensor.shape)))
 
     def get_global(self, name: str, ids: tuple[int, ...] | None, shape: torch.Size | None = None) -> torch.Tensor:
+        """Entry `name` whole; with expert `ids`, those experts' entries stacked (each joined from
+        tensor-parallel slices if saved so, which needs the whole `shape`)."""
         if ids is None or self.has(name):
             return self.get(name, shape)
-        return torch.stack([self.get(f"{name}[{g}]", None if shape is None else shape[1:]) for g in ids])
+        if shape is None:
+            return torch.stack([self.get(f"{name}[{g}]") for g in ids])
+        return torch.stack([self.get_whole(f"{name}[{g}]", shape[1:]) for g in ids])
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -243,14 +257,12 @@ def load_optimizer_entries(
     state_keys = optimizer_state_keys(reader)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     def value(key: str, param: torch.nn.Parameter) -> torch.Tensor:
-        name, split = f"{key}/{names[param]}", tensor_parallel_split(param)
-        if split is None:
-            ids = expert_ids(param)
-            return reader.get_global(name, ids, param.shape) if ids else reader.get_whole(name, param.shape)
-        if not reader.has(name):  # saved as tensor-parallel slices
+        name, split, ids = f"{key}/{names[param]}", tensor_parallel_split(param), expert_ids(param)
+        if split is not None and not ids and not reader.has(name):  # saved as tensor-parallel slices
             return reader.get_like(name, param)
-        whole = reader.get(name)
-        return whole if whole.dim() == 0 else split.slice_of(whole.reshape(split.whole_shape(param.shape)))
+        shape = param.shape if split is None else split.whole_shape(param.shape)
+        whole = reader.get_global(name, ids, shape) if ids else reader.get_whole(name, shape)
+        return whole if split is None or whole.dim() == 0 else split.slice_of(whole)
 
     state = {index: {key: value(key, p) for key in state_keys[names[p]]}
              for index, p in enumerate(params) if names[p] in state_keys}

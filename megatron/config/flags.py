@@ -61,6 +61,7 @@ class TrainingConfig:
     lr_decay_tokens: int
     seed: int
     expert_parallel_size: int
+    expert_tensor_parallel_size: int
     tensor_parallel_size: int
     sequence_parallel: bool
     pipeline_parallel_size: int
@@ -412,14 +413,13 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
 
 def _check_model_parallel_flags(args: argparse.Namespace) -> None:
     """What tensor and pipeline parallelism cover so far; the rest stops here with one sentence each."""
-    if args.expert_tensor_parallel_size > 1:
-        raise ConfigError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: expert tensor "
-                          "parallelism is not built yet; leave it at 1")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits the activations between tensor-parallel regions; "
                           "add --tensor-model-parallel-size N (N > 1) or drop it")
-    for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+    model_parallel = (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                      ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size))
+    for flag, size in model_parallel:
         if size > 1 and args.load_teacher is not None:
             raise ConfigError(f"MoS distillation under {flag} {size} is not built yet; distil with {flag} 1")
     layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
@@ -461,7 +461,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
         lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq), seed=args.seed,
-        expert_parallel_size=args.moe_expert_parallel_size, tensor_parallel_size=args.tensor_model_parallel_size,
+        expert_parallel_size=args.moe_expert_parallel_size, expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel, pipeline_parallel_size=args.pipeline_model_parallel_size,
         first_stage_layers=args.decoder_first_pipeline_num_layers, last_stage_layers=args.decoder_last_pipeline_num_layers,
         check_for_nan=args.check_for_nan_in_loss_and_grad,

@@ -102,7 +102,7 @@ class GPTModel(nn.Module):
             init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
             shared_expert=GPTModel._shared_expert(config), swiglu=config.swiglu, bias=config.add_bias_linear,
-            sequence_group=tp.group if tp.sequence_parallel else None,
+            sequence_group=tp.group if tp.sequence_parallel else None, expert_tp_group=tp.expert_group,
         )
 
     @staticmethod

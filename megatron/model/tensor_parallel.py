@@ -39,10 +39,12 @@ def tp_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """What a model's modules need to know of tensor parallelism: the group and whether the
-    activations between the tensor-parallel regions are split along the sequence."""
+    """What a model's modules need to know of tensor parallelism: the group, whether the
+    activations between the tensor-parallel regions are split along the sequence, and the group
+    over which each expert's hidden features are split (expert tensor parallelism)."""
     group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
+    expert_group: dist.ProcessGroup | None = None
 
     @property
     def size(self) -> int:
@@ -234,15 +236,23 @@ def reduce_scatter_to_sequence_region(x_BSH: torch.Tensor, group: dist.ProcessGr
     return _map(x_BSH, _reduce_scatter, _gather, SEQUENCE_DIM, group)
 
 
+def mark_split(param: nn.Parameter, dim: int, group: dist.ProcessGroup | None,
+               partition_sizes: Sequence[int] | None = None) -> None:
+    """Record on `param`, this rank's slice along `dim` over `group`, how it was split (nothing
+    without a group of more than one rank)."""
+    rank, size = tp_rank_and_size(group)
+    if size > 1:
+        parts = tuple(partition_sizes) if partition_sizes is not None and len(partition_sizes) > 1 else None
+        param.tensor_parallel_split = TensorParallelSplit(dim, parts, rank, size, group)
+
+
 def _slice_parameter(full: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None,
                      partition_sizes: Sequence[int] | None = None) -> nn.Parameter | None:
     if full is None:
         return None
     rank, size = tp_rank_and_size(group)
     param = nn.Parameter(shard(full.detach(), dim, rank, size, partition_sizes), requires_grad=full.requires_grad)
-    if size > 1:
-        parts = tuple(partition_sizes) if partition_sizes is not None and len(partition_sizes) > 1 else None
-        param.tensor_parallel_split = TensorParallelSplit(dim, parts, rank, size, group)
+    mark_split(param, dim, group, partition_sizes)
     return param
 
 

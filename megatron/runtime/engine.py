@@ -282,17 +282,20 @@ class Engine:
                 return torch.zeros((), device=self.parallel.device)
             return torch.nn.utils.get_total_norm(grads, foreach=True).float().square()
 
+        def model_parallel_sq_norm(grads: list[torch.Tensor], kinds: list[str], tp_rank: int) -> torch.Tensor:
+            # tensor-parallel slices add up over the group; a gradient every tensor-parallel rank holds
+            # whole counts once, a pipeline stage's copy of the first stage's parameter not at all
+            sq = sq_norm([g for g, kind in zip(grads, kinds) if kind == SLICE])
+            return sq + sq_norm([g for g, kind in zip(grads, kinds) if kind == WHOLE]) if tp_rank == 0 else sq
+
         grid = self.parallel
-        # tensor-parallel slices add up over the group; a gradient every tensor-parallel rank holds
-        # whole counts once, a pipeline stage's copy of the first stage's parameter not at all
-        kinds = self.strategy.gradient_kinds()
-        dense_sq = sq_norm([g for g, kind in zip(dense_grads, kinds) if kind == SLICE])
-        if grid.tp_rank == 0:
-            dense_sq = dense_sq + sq_norm([g for g, kind in zip(dense_grads, kinds) if kind == WHOLE])
-        expert_sq = sq_norm(expert_grads)
+        dense_kinds, expert_kinds = self.strategy.gradient_kinds()
+        dense_sq = model_parallel_sq_norm(dense_grads, dense_kinds, grid.tp_rank)
+        expert_sq = model_parallel_sq_norm(expert_grads, expert_kinds, grid.expert_tp_rank)
         local_nonfinite = ~torch.isfinite(dense_sq + expert_sq)
         self.strategy.sum_square_norms(dense_sq, expert_sq)
         all_reduce(dense_sq, grid.tp_group)
+        all_reduce(expert_sq, grid.expert_tp_group)
         all_reduce(expert_sq, grid.ep_group)
         all_reduce(dense_sq, grid.pp_group)  # each stage holds its own layers
         all_reduce(expert_sq, grid.pp_group)
@@ -362,7 +365,7 @@ class Engine:
         global names, and (first rank) the counters, schedule and loss scale for engine.json."""
         grid = self.parallel
         # each pipeline stage's first rank writes the stage's dense tensors (whole, gathered over tp)
-        owns = {"owns_dense": grid.dp_rank == 0 and grid.tp_rank == 0, "owns_experts": grid.expert_dp_rank == 0}
+        owns = grid.checkpoint_owners()
         splits = {name: split for piece in grid.gather_from_all(tensor_parallel_splits(self.module))
                   for name, split in piece.items()} if grid.pp_size > 1 else tensor_parallel_splits(self.module)
         with self.whole_parameters():
@@ -401,8 +404,7 @@ class Engine:
             return False
         dtype = self.autocast_dtype or torch.float32
         with self.whole_parameters():
-            owned = model_entries(self.module, owns_dense=grid.dp_rank == 0 and grid.tp_rank == 0,
-                                  owns_experts=grid.expert_dp_rank == 0)
+            owned = model_entries(self.module, **grid.checkpoint_owners())
             owned = {name: t.to(dtype, copy=True) if t.is_floating_point() else t.clone() for name, t in owned.items()}
         pieces = [owned]
         if grid.world_size > 1:

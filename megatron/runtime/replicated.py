@@ -65,8 +65,8 @@ class Replicated:
         sum_over(expert_grads, self.grid.expert_dp_group)
         return dense_grads, expert_grads
 
-    def gradient_kinds(self) -> list[str]:
-        return [gradient_kind(p) for p in self.dense_params]
+    def gradient_kinds(self) -> tuple[list[str], list[str]]:
+        return [gradient_kind(p) for p in self.dense_params], [gradient_kind(p) for p in self.expert_params]
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         pass  # every data-parallel rank holds the whole gradients

@@ -8,7 +8,7 @@ The order of calls in one optimizer step, for every micro-batch then at the boun
 
     with forward_context(): forward      before_backward(boundary); backward; after_backward()
     reduce_gradients() -> (dense, expert) gradients the optimizer reads
-    gradient_kinds()                     which dense gradients are tensor-parallel slices or copies
+    gradient_kinds()                     which gradients are tensor-parallel slices or copies
     sum_square_norms(...)                the norm's partial sums over the groups that split them
     optimizer.step(); after_step()       (skipped on a non-finite step)
     zero_gradients()                     (always)
@@ -50,8 +50,8 @@ class TrainingStrategy(Protocol):
         """Sum the accumulation's gradients over their data-parallel groups; return the (dense,
         expert) gradients that the optimizer will read and the step scales in place."""
 
-    def gradient_kinds(self) -> list[str]:
-        """For each dense gradient `reduce_gradients` returns, its kind (megatron/runtime/gradient_kinds.py)."""
+    def gradient_kinds(self) -> tuple[list[str], list[str]]:
+        """For each (dense, expert) gradient `reduce_gradients` returns, its kind (megatron/runtime/gradient_kinds.py)."""
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         """Sum in place the squared norms of this rank's gradients over the data-parallel groups
@@ -84,4 +84,4 @@ def build_strategy(
     if config.zero_optimization.stage == 0:
         return Replicated(module, optimizer, grid)
     return ZeroRuntime(module, optimizer, config.zero_optimization, grid.dp_group, grid.expert_dp_group,
-                       config.aio, grid.rank, grid.tp_rank, reduce_in_backward=not pipeline_shared(module))
+                       config.aio, grid.rank, grid.tp_rank, grid.expert_tp_rank, reduce_in_backward=not pipeline_shared(module))

@@ -38,6 +38,12 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows `in_splits[r]` of x to rank r, `out_splits[r]` rows from it, concatenated in rank order;
+    the backward sends the gradients back the same way."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
 @dataclass
 class Routes:
     """Where each dispatched row came from, to undo the dispatch."""
@@ -100,14 +106,14 @@ def send_to_expert_ranks(
     send, recv = _rows_of(host[:half], local_experts), _rows_of(host[half:], local_experts)
     routes.send_splits, routes.recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
     routes.recv_blocks = recv
-    received_RH = _AllToAll.apply(x_NH, routes.recv_splits, routes.send_splits, group)
+    received_RH = exchange_rows(x_NH, routes.recv_splits, routes.send_splits, group)
     return transpose_blocks(received_RH, recv), counts.recv_PEl.view(ranks, local_experts).sum(0)
 
 
 def return_from_expert_ranks(y_RH: torch.Tensor, routes: Routes, group: dist.ProcessGroup) -> torch.Tensor:
     """Undo `send_to_expert_ranks`: rows [N, H] in this rank's sorted order again."""
     by_expert = [list(column) for column in zip(*routes.recv_blocks)]
-    return _AllToAll.apply(transpose_blocks(y_RH, by_expert), routes.send_splits, routes.recv_splits, group)
+    return exchange_rows(transpose_blocks(y_RH, by_expert), routes.send_splits, routes.recv_splits, group)
 
 
 def _rows_of(values: list[int], width: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
-"""This rank's experts as stacked weights: on the CPU one expert at a time through a fused MLP
-(`_LoopedExpertMLP`), elsewhere with grouped GEMMs.
+"""This rank's experts as stacked weights (slices of them under expert tensor parallelism): on the
+CPU one expert at a time through a fused MLP (`_LoopedExpertMLP`), elsewhere with grouped GEMMs.
 
 Legend: E_l local experts, H hidden, F expert ffn hidden, W the first GEMM's width (F, or 2F for
 SwiGLU), N routed rows (sorted by expert), X rows of the input (N, or T tokens that the rows
@@ -10,10 +10,14 @@ import functools
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.errors import ConfigError
+from megatron.model.moe.expert_tensor_parallel import gather_rows, sum_rows
 from megatron.model.moe.grouped_gemm import grouped_linear
+from megatron.model.tensor_parallel import mark_split, shard, sum_gradient_over, tp_rank_and_size
 
 
 class GroupedExperts(nn.Module):
@@ -21,41 +25,71 @@ class GroupedExperts(nn.Module):
     columns feed silu, the second F the up projection, as the dense MLP's `dense_h_to_4h` rows);
     biases b1 and b2 unless `bias` is False (--disable-bias-linear). Parameters carry
     `expert_global_ids` (dim 0 holds those experts), which the runtime uses to reduce, save and
-    load them by global expert id."""
+    load them by global expert id. With `tp_group` (expert tensor parallelism) this rank holds
+    F / etp of every expert's hidden features (of each SwiGLU half) and computes with the rows of
+    the whole group (expert_tensor_parallel.py)."""
 
     def __init__(
         self, num_experts: int, global_ids: list[int], hidden_size: int, ffn_hidden_size: int,
         init_std: float, output_init_std: float, swiglu: bool = False, bias: bool = True,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         local = len(global_ids)
         self.swiglu = swiglu
+        tp_rank, tp_size = tp_rank_and_size(tp_group)
+        self.tp_group = tp_group if tp_size > 1 else None
+        if ffn_hidden_size % tp_size:
+            raise ConfigError(f"the experts' hidden size {ffn_hidden_size} (--moe-ffn-hidden-size, or --ffn-hidden-size) "
+                              f"is not divisible by --expert-tensor-parallel-size {tp_size}; choose sizes that divide it")
+        # SwiGLU's gate and up halves are each split, so that every rank holds matching features of both
+        parts = (ffn_hidden_size, ffn_hidden_size) if swiglu else None
         width = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
-        self.w1 = nn.Parameter(torch.empty(local, hidden_size, width))
-        self.b1 = nn.Parameter(torch.zeros(local, width)) if bias else None
-        self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size))
+        self.w1 = nn.Parameter(torch.empty(local, hidden_size, width // tp_size))
+        self.b1 = nn.Parameter(torch.zeros(local, width // tp_size)) if bias else None
+        self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size // tp_size, hidden_size))
         self.b2 = nn.Parameter(torch.zeros(local, hidden_size)) if bias else None
         for param in self.parameters():
             param.expert_global_ids = tuple(global_ids)
-        self._init_by_global_id(num_experts, global_ids, init_std, output_init_std)
+        for param, dim, param_parts in ((self.w1, 2, parts), (self.b1, 1, parts), (self.w2, 1, None)):
+            if param is not None:
+                mark_split(param, dim, self.tp_group, param_parts)
+        if self.b2 is not None:  # added once after the group's sum, to this rank's own rows
+            sum_gradient_over(self.b2, self.tp_group)
+        self._init_by_global_id(num_experts, global_ids, init_std, output_init_std, parts, hidden_size, ffn_hidden_size)
         self.grad_buffers = GradientBuffers()
 
     @torch.no_grad()
-    def _init_by_global_id(self, num_experts: int, global_ids: list[int], std: float, output_std: float) -> None:
-        """Draw every expert of the layer in global order and keep this rank's: the same seed gives
-        the same experts, and leaves the RNG in the same state, whatever the expert-parallel size."""
+    def _init_by_global_id(self, num_experts: int, global_ids: list[int], std: float, output_std: float,
+                           parts: tuple[int, int] | None, hidden_size: int, ffn_hidden_size: int) -> None:
+        """Draw every expert of the layer whole in global order and keep this rank's (slices): the
+        same seed gives the same experts, and leaves the RNG in the same state, whatever the
+        expert-parallel and expert-tensor-parallel sizes."""
+        tp_rank, tp_size = tp_rank_and_size(self.tp_group)
         local_index = {g: i for i, g in enumerate(global_ids)}
+        width = self.w1.shape[2] * tp_size
         for g in range(num_experts):
-            w1 = torch.empty_like(self.w1[0]).normal_(0.0, std)
-            w2 = torch.empty_like(self.w2[0]).normal_(0.0, output_std)
+            w1 = self.w1.new_empty(hidden_size, width).normal_(0.0, std)
+            w2 = self.w2.new_empty(ffn_hidden_size, hidden_size).normal_(0.0, output_std)
             if g in local_index:
-                self.w1[local_index[g]] = w1
-                self.w2[local_index[g]] = w2
+                self.w1[local_index[g]] = shard(w1, 1, tp_rank, tp_size, parts)
+                self.w2[local_index[g]] = shard(w2, 0, tp_rank, tp_size)
 
     def forward(self, x_XH: torch.Tensor, counts_El: torch.Tensor, token_N: torch.Tensor | None = None) -> torch.Tensor:
         """Outputs [N, H] of the rows grouped by expert: x's rows, or with `token_N` x's rows token_N
         (gathered here, an expert at a time, instead of into an [N, H] copy)."""
-        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
+        if self.tp_group is None:
+            return self._mlp(x_XH, counts_El, token_N, self.b2)
+        x_NH = x_XH if token_N is None else x_XH.index_select(0, token_N)
+        rows_QH, counts_group_El, layout = gather_rows(x_NH, counts_El, self.tp_group)
+        y_NH = sum_rows(self._mlp(rows_QH, counts_group_El, None, None), layout, self.tp_group)
+        if self.b2 is None:
+            return y_NH
+        return y_NH + self.b2.to(y_NH.dtype).repeat_interleave(counts_El, dim=0, output_size=len(y_NH))
+
+    def _mlp(self, x_XH: torch.Tensor, counts_El: torch.Tensor, token_N: torch.Tensor | None,
+             b2: torch.Tensor | None) -> torch.Tensor:
+        w1, b1, w2 = self.w1, self.b1, self.w2
         if torch.is_autocast_enabled(x_XH.device.type):  # grouped GEMMs are not on autocast's list
             dtype = torch.get_autocast_dtype(x_XH.device.type)
             x_XH, w1, b1, w2, b2 = (None if t is None else t.to(dtype) for t in (x_XH, w1, b1, w2, b2))

@@ -4,7 +4,9 @@ knows nothing of training, checkpoints or the engine. Under sequence parallelism
 each rank routes its share of every sequence: the balancing and z-losses are the whole sequences',
 and the gradients of the layer's dense weights (router, residual MLP, shared experts), which see
 only this rank's tokens, are summed over the group. Experts see every rank's tokens through the
-expert-parallel all-to-all, or are summed over their expert-data-parallel group.
+expert-parallel all-to-all, or are summed over their expert-data-parallel group. Under expert tensor
+parallelism each expert's hidden features are split over `expert_tp_group`, which computes the rows
+of all its ranks together.
 
 Legend: B batch, S sequence, H hidden, T = B * S tokens, E experts in the layer.
 """
@@ -40,8 +42,9 @@ class MoELayer(nn.Module):
         swiglu: bool = False,
         bias: bool = True,
         sequence_group: dist.ProcessGroup | None = None,
+        expert_tp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """`swiglu` and `bias` shape the experts (see `GroupedExperts`)."""
+        """`swiglu` and `bias` shape the experts, `expert_tp_group` splits them (see `GroupedExperts`)."""
         super().__init__()
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
@@ -59,7 +62,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden_size, num_experts, config)
         self.experts = GroupedExperts(
             num_experts, list(range(ep_rank * local, (ep_rank + 1) * local)),
-            hidden_size, ffn_hidden_size, init_std, output_init_std, swiglu=swiglu, bias=bias,
+            hidden_size, ffn_hidden_size, init_std, output_init_std, swiglu=swiglu, bias=bias, tp_group=expert_tp_group,
         )
         self.residual_mlp = residual_mlp
         self.shared_expert = shared_expert

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.tensors import ShardedReader, load_optimizer_state, optimizer_state_keys
-from megatron.model.tensor_parallel import tensor_parallel_split
-from megatron.runtime.zero.layout import PartitionLayout
+from megatron.runtime.zero.layout import PartitionLayout, Unit, parameter_units
 
 
 def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout]) -> dict[str, torch.Tensor]:
@@ -40,12 +39,13 @@ def load_partition_state(
     state_keys = optimizer_state_keys(reader)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, part in enumerate(partitions):  # the shards' order in the optimizer's groups
+        units = {unit.name: unit for name, param in zip(part.names, part.params) for unit in parameter_units(name, param)}
         for key in sorted(state_keys.get(part.names[0], ())):
-            state.setdefault(index, {})[key] = _shard_value(reader, part, key)
+            state.setdefault(index, {})[key] = _shard_value(reader, part, units, key)
     load_optimizer_state(optimizer, state, saved_groups)
 
 
-def _shard_value(reader: ShardedReader, part: PartitionLayout, key: str) -> torch.Tensor:
+def _shard_value(reader: ShardedReader, part: PartitionLayout, units: dict[str, Unit], key: str) -> torch.Tensor:
     whole = f"{key}/{part.names[0]}"
     if whole in reader.file_of and (scalar := reader.get(whole)).dim() == 0:  # Adam's step
         return scalar
@@ -53,22 +53,18 @@ def _shard_value(reader: ShardedReader, part: PartitionLayout, key: str) -> torc
     read: dict[str, torch.Tensor] = {}
     for piece in part.pieces():
         if piece.name not in read:
-            read[piece.name] = _flat_entry(reader, part, key, piece.name)
+            read[piece.name] = _flat_entry(reader, units[piece.name], key)
         flat = read[piece.name]
         value[piece.shard_start:piece.shard_start + piece.stop - piece.start] = flat[piece.start:piece.stop]
     return value
 
 
-def _flat_entry(reader: ShardedReader, part: PartitionLayout, key: str, unit: str) -> torch.Tensor:
-    """The state of one unit of the partition (a tensor, this rank's tensor-parallel slice of one,
-    or one expert) flattened, from a checkpoint saved under this layout or any other tensor-parallel size."""
-    if reader.has(f"{key}/{unit}"):
-        return reader.get(f"{key}/{unit}").reshape(-1)
-    for name, param, shape in zip(part.names, part.params, part.shapes):
-        split = tensor_parallel_split(param)
-        if unit == (name if split is None else split.entry_name(name)):
-            if split is None:
-                return reader.get_whole(f"{key}/{name}", shape).reshape(-1)
-            return split.slice_of(reader.get_whole(f"{key}/{name}", split.whole_shape(shape))).reshape(-1)
-    return reader.get(f"{key}/{unit}")  # the error that names the missing entry
+def _flat_entry(reader: ShardedReader, unit: Unit, key: str) -> torch.Tensor:
+    """The state of one unit of the partition (a tensor, one expert, or this rank's tensor-parallel
+    slice of either) flattened, from a checkpoint saved under this layout or any other tensor-parallel size."""
+    if reader.has(f"{key}/{unit.name}"):
+        return reader.get(f"{key}/{unit.name}").reshape(-1)
+    if unit.split is None:
+        return reader.get_whole(f"{key}/{unit.whole_name}", unit.shape).reshape(-1)
+    return unit.split.slice_of(reader.get_whole(f"{key}/{unit.whole_name}", unit.split.whole_shape(unit.shape))).reshape(-1)
 

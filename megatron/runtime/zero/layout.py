@@ -10,14 +10,14 @@ per bucket moves exactly the bucket's chunks between the full layout and the sha
 """
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpoint.tensors import expert_ids
-from megatron.model.tensor_parallel import tensor_parallel_split
+from megatron.model.tensor_parallel import TensorParallelSplit, tensor_parallel_split
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,26 @@ class Piece:
     start: int
     stop: int
     shard_start: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A tensor as a checkpoint names it: a parameter, or one expert of a stacked one; for a
+    tensor-parallel slice, `name` is the slice's entry and `whole_name` the tensor's, `split` how
+    this rank's `shape` is cut from the whole (its dim counted within the unit)."""
+    name: str
+    whole_name: str
+    shape: torch.Size
+    split: TensorParallelSplit | None
+
+
+def parameter_units(name: str, param: torch.Tensor) -> list[Unit]:
+    ids, split = expert_ids(param), tensor_parallel_split(param)
+    if ids is None:
+        return [Unit(name if split is None else split.entry_name(name), name, param.shape, split)]
+    expert_split = None if split is None else replace(split, dim=split.dim - 1)  # without the experts' dim
+    return [Unit(f"{name}[{g}]" if split is None else split.entry_name(f"{name}[{g}]"), f"{name}[{g}]", param.shape[1:],
+                 expert_split) for g in ids]
 
 
 def buckets_by_size(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -143,12 +163,10 @@ class PartitionLayout:
             lo = bucket.flat_start + self.rank * bucket.chunk
             hi = lo + bucket.chunk
             for index in bucket.params:
-                ids, split = expert_ids(self.params[index]), tensor_parallel_split(self.params[index])
-                name = self.names[index] if split is None else split.entry_name(self.names[index])
-                units = [(name, 0)] if ids is None else [(f"{self.names[index]}[{g}]", i) for i, g in enumerate(ids)]
+                units = parameter_units(self.names[index], self.params[index])
                 unit_numel = self.numels[index] // len(units)
-                for unit_name, position in units:
+                for position, unit in enumerate(units):
                     begin = self.param_offsets[index] + position * unit_numel
                     start, stop = max(lo, begin), min(hi, begin + unit_numel)
                     if start < stop:
-                        yield Piece(unit_name, start - begin, stop - begin, bucket.shard_start + start - lo)
+                        yield Piece(unit.name, start - begin, stop - begin, bucket.shard_start + start - lo)

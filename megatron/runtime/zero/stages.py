@@ -49,13 +49,13 @@ class ZeroRuntime:
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
         dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
-        aio: AioConfig, rank: int, tp_rank: int = 0, reduce_in_backward: bool = True,
+        aio: AioConfig, rank: int, tp_rank: int = 0, expert_tp_rank: int = 0, reduce_in_backward: bool = True,
     ) -> None:
         """Partition each optimizer group's dense and expert parameters, and point the optimizer
         at the shards instead. The optimizer object and its groups stay the same (an LR schedule
         already holds them); each group now holds one shard per class."""
         self.stage = config.stage
-        self.tp_rank = tp_rank
+        self.tp_rank, self.expert_tp_rank = tp_rank, expert_tp_rank
         # False: stage 1 reduces at the step instead, after the engine summed the gradients of
         # parameters shared between pipeline stages
         self.reduce_in_backward = reduce_in_backward
@@ -157,8 +157,10 @@ class ZeroRuntime:
         for part in self.partitions:
             part.copy_from_parameters()
 
-    def gradient_kinds(self) -> list[str]:
-        return [gradient_kind(p.params[0]) for p in self.partitions if not p.is_expert]
+    def gradient_kinds(self) -> tuple[list[str], list[str]]:
+        kinds = {is_expert: [gradient_kind(p.params[0]) for p in self.partitions if p.is_expert == is_expert]
+                 for is_expert in (False, True)}
+        return kinds[False], kinds[True]
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         """Each rank's shards are disjoint parts of the gradients: sum over the partitioning groups."""
@@ -167,10 +169,11 @@ class ZeroRuntime:
 
     def optimizer_state(self, owns_dense: bool, owns_experts: bool) -> dict[str, torch.Tensor]:
         """Every rank owns a slice of the optimizer state, whatever it owns of the model; the state of
-        dense parameters every tensor-parallel rank holds whole is written by the first of them
-        (experts are partitioned over their expert-data-parallel group, which spans tensor-parallel ranks)."""
-        written = [p for p in self.partitions
-                   if p.is_expert or self.tp_rank == 0 or tensor_parallel_split(p.params[0]) is not None]
+        parameters every (expert-)tensor-parallel rank holds whole is written by the first of them
+        (experts are partitioned over their expert-data-parallel group, which spans the dense layers'
+        tensor-parallel ranks but not the experts' own)."""
+        written = [p for p in self.partitions if tensor_parallel_split(p.params[0]) is not None
+                   or (self.expert_tp_rank if p.is_expert else self.tp_rank) == 0]
         return partition_state_entries(self.optimizer, written)
 
     def load_optimizer_state(self, reader: ShardedReader, saved_groups: list[dict[str, Any]]) -> None:
