@@ -9,6 +9,10 @@ accumulation; PP=2's go through the 1F1B schedule) through both ranks. So the st
 same work, and the activations (per micro-batch) compare the same micro batch. A second pair trains
 a 4x larger global batch (16 sequences: PP=2 runs m = 8 micro-batches through the pipeline, DP=2 four
 per rank) so that the pipeline bubble's trend with m shows; its ratio is to DP=2 on that batch.
+A third group trains the same model with an MoE layer of 4 experts (top-2, dropless) in place of
+every other layer's dense MLP (Megatron-DeepSpeed's default interval): experts whole on both ranks (MoE DP=2, the baseline), split by expert parallelism
+(MoE EP=2: each rank holds 2 experts) and by expert tensor parallelism (MoE ETP=2: each rank holds
+half of every expert's hidden features; the dense layers stay data-parallel).
 
 Each (layout, round) is its own run_distributed call: fresh processes, so the RSS peaks do not mix.
 Layouts alternate in rounds (the order reversed every other round) so machine drift hits them
@@ -82,6 +86,9 @@ class Layout(NamedTuple):
     pp_size: int = 1
     sequence_parallel: bool = False
     global_batch: int = GLOBAL_BATCH
+    moe: bool = False
+    ep_size: int = 1
+    expert_tp_size: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -94,9 +101,10 @@ class Layout(NamedTuple):
 
     @property
     def baseline(self) -> str:
-        """The DP=2 layout of the same global batch, which this one's ratios are to."""
-        return next(layout.name for layout in LAYOUTS + BUBBLE_LAYOUTS
-                    if layout.dp_size == RANKS and layout.global_batch == self.global_batch)
+        """The DP=2 layout of the same model and global batch, which this one's ratios are to."""
+        return next(layout.name for layout in LAYOUTS + BUBBLE_LAYOUTS + MOE_LAYOUTS
+                    if layout.dp_size == RANKS and layout.global_batch == self.global_batch and layout.moe == self.moe
+                    and layout.ep_size == layout.expert_tp_size == 1)
 
 
 BASELINE = Layout("DP=2")
@@ -105,6 +113,9 @@ LAYOUTS = (BASELINE, Layout("TP=2", tp_size=2), Layout("TP=2+SP", tp_size=2, seq
 # the bubble's trend: the same pipeline over m = 8 micro-batches, against DP=2 on that global batch
 BUBBLE_LAYOUTS = (Layout("DP=2 gb16", global_batch=4 * GLOBAL_BATCH),
                   Layout("PP=2 gb16", pp_size=2, global_batch=4 * GLOBAL_BATCH))
+MOE_LAYOUTS = (Layout("MoE DP=2", moe=True), Layout("MoE EP=2", moe=True, ep_size=2),
+               Layout("MoE ETP=2", moe=True, expert_tp_size=2))
+MOE = dict(num_experts=4, topk=2, disable_moe_token_dropping=True, disable_moe_top2_2nd_expert_sampling=True)
 
 
 def layout_config(corpus: str, layout: Layout, train_iters: int) -> PretrainConfig:
@@ -114,6 +125,8 @@ def layout_config(corpus: str, layout: Layout, train_iters: int) -> PretrainConf
         global_batch_size=layout.global_batch, train_iters=train_iters, lr=1e-4, min_lr=1e-5, lr_warmup_iters=0,
         zero_stage=0, eval_interval=10 * train_iters, tensor_model_parallel_size=layout.tp_size,
         pipeline_model_parallel_size=layout.pp_size, sequence_parallel=layout.sequence_parallel,
+        moe_expert_parallel_size=layout.ep_size, expert_tensor_parallel_size=layout.expert_tp_size,
+        **(MOE if layout.moe else {}),
     )
 
 
@@ -225,7 +238,8 @@ def rank_run(layout: Layout, corpus: str, warmup: int, steps: int) -> dict[str, 
     with open("/proc/self/clear_refs", "w") as clear_refs:  # peak RSS from here, not from import/spawn
         clear_refs.write("5")
     base_rss = proc_status_bytes("VmRSS")
-    grid = build_parallel_grid(torch.device("cpu"), tp_size=layout.tp_size, pp_size=layout.pp_size)
+    grid = build_parallel_grid(torch.device("cpu"), tp_size=layout.tp_size, pp_size=layout.pp_size, ep_size=layout.ep_size,
+                               expert_tp_size=layout.expert_tp_size)
     with contextlib.redirect_stdout(io.StringIO()):  # the run's log lines
         trainer = Trainer(layout_config(corpus, layout, warmup + steps + 1), grid)
     engine, accumulation = trainer.engine, trainer.engine.gradient_accumulation_steps
@@ -343,6 +357,7 @@ def summarise(layouts: tuple[Layout, ...], runs: list[dict]) -> list[dict]:
         ratios = [median_s[layout.name, r] / median_s[layout.baseline, r] for r in rounds]
         step_ms = 1000 * statistics.median(r["median_s"] for r in mine)
         row = {"layout": layout.name, "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size,
+               "moe": layout.moe, "ep": layout.ep_size, "expert_tp": layout.expert_tp_size,
                "sequence_parallel": layout.sequence_parallel, "global_batch": layout.global_batch,
                "micro_batches": layout.micro_batches, "baseline": layout.baseline, "step_ms": step_ms,
                "tokens_per_s": layout.global_batch * MODEL["seq_length"] / (step_ms / 1000),
@@ -375,7 +390,8 @@ def print_table(rows: list[dict]) -> None:
     mib = 2**20
     print(f"\n{'layout':>10} {'m':>2} {'step ms':>8} {'tok/s':>6} {'ratio':>6} {'range':>11} {'params':>7} {'split':>6} "
           f"{'whole':>6} {'grads':>6} {'optim':>6} {'act/mb':>6} {'act pk':>6} {'live':>4} {'peak RSS':>8}"
-          f"   (MiB per rank, the larger rank's; x = vs DP=2 of the same global batch)")
+          f"   (MiB per rank, the larger rank's; x = vs DP=2 of the same model and global batch; split: "
+          f"tensor-parallel slices, the experts' under ETP)")
 
     def memory_columns(m: dict) -> str:
         return (f"{m['param_bytes'] / mib:7.1f} {m['split_param_bytes'] / mib:6.1f} {m['whole_param_bytes'] / mib:6.2f} "
@@ -413,14 +429,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each layout, alternating")
     parser.add_argument("--output", default="benchmarks/results/parallel.json")
     args = parser.parse_args()
-    layouts = LAYOUTS + BUBBLE_LAYOUTS
+    layouts = LAYOUTS + BUBBLE_LAYOUTS + MOE_LAYOUTS
     with tempfile.TemporaryDirectory() as folder:
         corpus = write_corpus(Path(folder), documents=400, vocab=VOCAB, length=600)
         config = layout_config(corpus, BASELINE, 1)
         print(f"GPT {config.model.num_layers} layers, h {config.model.hidden_size}, {config.model.num_attention_heads} "
               f"heads, vocabulary {VOCAB + 1}, {RANKS} gloo ranks x 1 thread, global batch {GLOBAL_BATCH} = micro "
               f"batch {MICRO_BATCH} x {MODEL['seq_length']} tokens x (DP or accumulation) {RANKS}; the bubble's "
-              f"pair at global batch {BUBBLE_LAYOUTS[0].global_batch}")
+              f"pair at global batch {BUBBLE_LAYOUTS[0].global_batch}; the MoE group with {MOE['num_experts']} "
+              f"experts top-{MOE['topk']} dropless in every other layer")
         runs = [one_run(r, layout, corpus, args.warmup, args.steps) for r, layout in interleaved(layouts, args.rounds)]
     rows = summarise(layouts, runs)
     print_table(rows)

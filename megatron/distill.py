@@ -23,6 +23,7 @@ from megatron.inference.checkpoint_model import build_saved_model, checkpoint_fo
 from megatron.inference.mode import inference_config
 from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.model import GPTConfig, GPTModel
+from megatron.model.tensor_parallel import TensorParallel, local_part
 from megatron.parallel import ParallelGrid
 from megatron.runtime.engine import Engine
 from megatron.checkpoint.tensors import ShardedReader, expert_ids
@@ -48,6 +49,8 @@ def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, 
         raise ConfigError(
             f"the teacher's vocabulary has {saved.vocab_size} (padded) entries from its {teacher_tokenizer} but the "
             f"student's has {student.vocab_size}; train the student with the teacher's tokenizer flags"
+            + (" and a --make-vocab-size-divisible-by that pads the vocabulary to the teacher's at this "
+               "--tensor-model-parallel-size" if grid.tp_size > 1 else "")
         )
     if saved.position_embedding_type == "learned_absolute" and saved.max_position_embeddings < seq_length:
         raise ConfigError(f"the teacher has {saved.max_position_embeddings} positions but --seq-length is {seq_length}; "
@@ -59,20 +62,24 @@ def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, 
     return folder, saved
 
 
-def load_teacher(folder: Path, saved: GPTConfig, grid: ParallelGrid, dtype: torch.dtype | None) -> GPTModel:
-    """The frozen teacher on `grid`, in eval mode, dropless; in `dtype` when training in half
-    precision (it is never updated, so it needs no fp32 master copy)."""
-    teacher = build_saved_model(folder, inference_config(saved), grid).requires_grad_(False)
+def load_teacher(folder: Path, saved: GPTConfig, grid: ParallelGrid, dtype: torch.dtype | None,
+                 tp: TensorParallel = TensorParallel()) -> GPTModel:
+    """The frozen teacher on `grid`, in eval mode, dropless, split as the student is (`tp`); in
+    `dtype` when training in half precision (it is never updated, so it needs no fp32 master copy)."""
+    teacher = build_saved_model(folder, inference_config(saved), grid, tp).requires_grad_(False)
     return teacher.to(dtype) if dtype is not None else teacher
 
 
 def distillation_losses(
-    engine: Engine, teacher: GPTModel, batch: dict[str, torch.Tensor], temperature: float
+    engine: Engine, teacher: GPTModel, batch: dict[str, torch.Tensor], temperature: float,
+    hidden_BSH: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The student's masked-mean LM loss, its router loss, and the masked-mean T^2 * KL to the teacher."""
+    """The student's masked-mean LM loss, its router loss, and the masked-mean T^2 * KL to the
+    teacher; on a last pipeline stage from the previous stage's `hidden_BSH`."""
     with torch.no_grad(), engine.autocast():
         teacher_logits_BSV = teacher(batch["tokens"])
-    losses_BS, router_loss, logits_BSV = engine(batch["tokens"], labels_BS=batch["labels"], return_logits=True)
+    losses_BS, router_loss, logits_BSV = engine(batch["tokens"], labels_BS=batch["labels"], return_logits=True,
+                                                hidden_BSH=hidden_BSH)
     mask_BS = batch["loss_mask"]
     kd = masked_mean(kd_divergence_BS(logits_BSV, teacher_logits_BSV, temperature), mask_BS)
     return masked_mean(losses_BS, mask_BS), router_loss, kd
@@ -118,8 +125,9 @@ def init_student_from_teacher(student: GPTModel, folder: Path, teacher: GPTConfi
     with torch.no_grad():
         for name, tensor in student.state_dict(keep_vars=True).items():
             if name in taken:
-                tensor.copy_(reader.get_global(name, expert_ids(tensor)))
-        for index, layer in enumerate(student.layers):
+                tensor.copy_(local_part(tensor, reader.get_global(name, expert_ids(tensor))))
+        for key, layer in student.layers.named_children():  # global layer indices, also on a pipeline stage
+            index = int(key)
             names = [f"layers.{index}.{name}" for name in layer.state_dict()]
             copied = sum(name in taken for name in names)
             (whole if copied == len(names) else partly if copied else []).append(index + 1)

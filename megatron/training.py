@@ -120,7 +120,7 @@ class Trainer:
         ) if self.load_dir else None
         self._refuse_overwriting_checkpoints()
         # teacher checks and the student's init from the teacher come before the engine copies the weights
-        self.teacher = self._setup_teacher(model, self.resume_from is None)
+        self.teacher, self.distilling = self._setup_teacher(model, self.resume_from is None)
         optimizer = build_optimizer(model, runtime, rank=grid.rank)
         scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
             optimizer, max_lr=runtime.optimizer.params.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
@@ -175,34 +175,39 @@ class Trainer:
             self.iteration = self.saved_iteration = client["iteration"]
             self.consumed_samples = client["consumed_samples"]
 
-    def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> GPTModel | None:
+    def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> tuple[GPTModel | None, bool]:
         """Check the teacher, initialise a fresh student from it if asked, and return it while KD
-        is still to run; a run resuming after the KD stop does not read the teacher at all."""
+        is still to run, and whether KD runs; a run resuming after the KD stop does not read the
+        teacher at all. Under pipeline parallelism only the last stage, which computes the loss,
+        holds the teacher: all its layers, split by TP and EP as the student's are."""
         d, ckpt = self.config.distill, self.config.checkpoint
         if d is None:
-            return None
+            return None, False
         start = 0 if starts_fresh or ckpt.reset_iteration else self.resume_from
         init = d.init_from_teacher and starts_fresh
         if not d.kd_active(start) and not init:
             if d.kd:
                 self.log.info(f" > knowledge distillation stopped at iteration {d.stop_iteration} and this run resumes "
                               f"at {start}: the teacher is not loaded")
-            return None
+            return None, False
         folder, saved = teacher_checkpoint(d, self.model_config, self.config.training.seq_length, self.grid)
         if init:
             self.log.info(init_student_from_teacher(model, folder, saved))
         if not d.kd_active(start):
-            return None
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.runtime.precision)
-        teacher = load_teacher(folder, saved, self.grid, dtype)
+            return None, False
         until = f"until iteration {d.stop_iteration}" if d.stop_iteration is not None else "for the whole run"
-        self.log.info(f" > teacher {folder}: {sum(p.numel() for p in teacher.parameters()):,} parameters on this rank, "
-                      f"{saved.num_layers} layers, experts per layer {saved.experts_per_layer}; KD alpha {d.alpha_ce} "
-                      f"beta {d.beta_ce} temperature {d.temperature}, {until}")
-        return teacher
+        about = (f"{saved.num_layers} layers, experts per layer {saved.experts_per_layer}; KD alpha {d.alpha_ce} "
+                 f"beta {d.beta_ce} temperature {d.temperature}, {until}")
+        if not self.grid.is_last_stage:
+            self.log.info(f" > teacher {folder}: {about}; it runs on the last pipeline stage, whole")
+            return None, True
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.runtime.precision)
+        teacher = load_teacher(folder, saved, self.grid, dtype, model.tp)
+        self.log.info(f" > teacher {folder}: {sum(p.numel() for p in teacher.parameters()):,} parameters on this rank, {about}")
+        return teacher, True
 
     def _stop_kd(self) -> None:
-        self.teacher = None  # the only reference: its memory goes back now
+        self.teacher, self.distilling = None, False  # the only reference: its memory goes back now
         if self.grid.device.type == "cuda":
             torch.cuda.empty_cache()
         self.log.info(f" > knowledge distillation stopped at iteration {self.iteration}: teacher freed, "
@@ -280,13 +285,17 @@ class Trainer:
     def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The global batch's micro-batches in the 1F1B schedule; every stage reads the same ones
         (the first needs the tokens, the last the labels). The LM loss comes from the last stage;
-        the router losses add up over the stages."""
-        engine, grid = self.engine, self.grid
+        the router losses add up over the stages; with a teacher (the last stage's) its KD term too."""
+        engine, grid, d = self.engine, self.grid, self.config.distill
         batches = [self._batch(data_iter) for _ in range(engine.gradient_accumulation_steps)]
         total = torch.zeros(3, device=grid.device)
 
         def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
             batch = batches[index]
+            if self.teacher is not None:
+                loss, router_loss, kd = distillation_losses(engine, self.teacher, batch, d.temperature, hidden_BSH)
+                total.add_(torch.stack([loss, router_loss, kd]).detach())
+                return None, (d.alpha_ce * loss + router_loss + d.beta_ce * kd, None, hidden_BSH)
             output, router_loss = engine(batch["tokens"], labels_BS=batch["labels"], hidden_BSH=hidden_BSH)
             total[1] += router_loss.detach()
             if not grid.is_last_stage:
@@ -406,7 +415,7 @@ class Trainer:
             self._check_step()
             self.log.progress("iterations done", self.iteration, t.train_iters)
             exit_reason = exits.reason(self.iteration)
-            if self.teacher is not None and not cfg.distill.kd_active(self.iteration):
+            if self.distilling and not cfg.distill.kd_active(self.iteration):
                 self._stop_kd()
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters or exit_reason:
                 if self.grid.device.type == "cuda":

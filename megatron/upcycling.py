@@ -32,7 +32,7 @@ from megatron.errors import ConfigError
 from megatron.inference.checkpoint_model import checkpoint_folder, model_config_from_state, read_client_state
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
-from megatron.model.tensor_parallel import tensor_parallel_split
+from megatron.model.tensor_parallel import local_part
 from megatron.parallel import ParallelGrid
 
 # what must match between the dense checkpoint and the MoE model for weights to carry over
@@ -90,16 +90,10 @@ def upcycle(model: GPTModel, dense_tensor: Callable[[str], torch.Tensor], dense:
             _upcycle_layer(moe, prefix, dense_tensor, granularity, model.config.swiglu)
         for name, tensor in model.state_dict(keep_vars=True).items():
             if not any(name.startswith(prefix) for prefix in moe_layers):
-                tensor.copy_(own_part(tensor, dense_tensor(name)))
+                tensor.copy_(local_part(tensor, dense_tensor(name)))
     experts = "its layer's dense MLP" if granularity == 1 else f"one of {granularity} slices of its layer's dense MLP"
     scales = sorted({activation_scale(moe, granularity) for moe in moe_layers.values()})
     return f" > upcycled: each expert is {experts}, second weights scaled by {', '.join(f'{s:g}' for s in scales)}"
-
-
-def own_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `whole`: its tensor-parallel slice, or all of it."""
-    split = tensor_parallel_split(param)
-    return whole if split is None else split.slice_of(whole)
 
 
 def activation_scale(moe: MoELayer, granularity: int) -> float:
@@ -134,7 +128,7 @@ def _upcycle_layer(
     for name, tensors in whole.items():
         if tensors:  # each expert whole, then this rank's slice under expert tensor parallelism
             param = getattr(experts, name)
-            param.copy_(own_part(param, torch.stack(tensors)))
+            param.copy_(local_part(param, torch.stack(tensors)))
     router_EH = moe.router.weight
     router_EH.copy_(router_EH[: moe.num_experts // granularity].repeat_interleave(granularity, dim=0))
     if moe.residual_mlp is not None:

@@ -8,6 +8,7 @@ from megatron.config.flags import parse_args
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError, ConfigError
 from megatron.losses import kd_divergence_BS, masked_mean
+from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
@@ -146,6 +147,59 @@ def test_teacher_loads_with_another_expert_parallel_size_and_kd_equals_one_proce
     torch.testing.assert_close((ranks[0].pop("kd") + ranks[1].pop("kd")) / 2, kd, rtol=1e-4, atol=1e-6)
     for name, value in single.items():
         torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tp_teacher(corpus, tmp_path_factory) -> str:
+    """The teacher again, its vocabulary padded to 64 rows: what a student pads to at TP=2 with
+    --make-vocab-size-divisible-by 32."""
+    save = tmp_path_factory.mktemp("tp_teacher") / "ckpt"
+    Trainer(tiny_config(corpus, num_layers=4, num_experts=[4], train_iters=4, save=str(save), make_vocab_size_divisible_by=64,
+                        **NO_DROPOUT), SINGLE).train()
+    return str(save)
+
+
+def _kd_model_parallel(corpus: str, teacher: str, tp_size: int, expert_tp_size: int, pp_size: int = 1) -> dict[str, torch.Tensor]:
+    """An MoE student initialised from the teacher and distilled from it for 3 iterations, with the
+    student and the teacher split over tp_size (and their experts over expert_tp_size), the student
+    over pp_size pipeline stages; this rank's student parameters (whole), the KD losses and the
+    teacher's parameter count on the rank (0 on a pipeline stage without it)."""
+    grid = build_parallel_grid(torch.device("cpu"), tp_size=tp_size, expert_tp_size=expert_tp_size, pp_size=pp_size)
+    config = kd_config(corpus, teacher, train_iters=3, num_experts=[4], disable_moe_token_dropping=True,
+                       mos_init_from_teacher=True, make_vocab_size_divisible_by=32, tensor_model_parallel_size=tp_size,
+                       sequence_parallel=tp_size > 1, expert_tensor_parallel_size=expert_tp_size,
+                       pipeline_model_parallel_size=pp_size)
+    trainer = Trainer(config, grid)
+    teacher_numel = sum(p.numel() for p in trainer.teacher.parameters()) if trainer.teacher is not None else 0
+    result = trainer.train()
+    params = {name: (p.detach() if tensor_parallel_split(p) is None else tensor_parallel_split(p).whole_of(p.detach())).clone()
+              for name, p in trainer.engine.module.named_parameters()}
+    return {**params, "kd": torch.tensor(result.kd_losses, dtype=torch.float64), "teacher_numel": torch.tensor(teacher_numel)}
+
+
+def test_kd_under_tensor_and_expert_tensor_parallelism_equals_one_process(corpus, tp_teacher):
+    single = _kd_model_parallel(corpus, tp_teacher, 1, 1)
+    assert len(single["kd"]) == 3 and single["kd"].min() > 0
+    whole_teacher = single.pop("teacher_numel")
+    for expert_tp_size in (1, 2):  # the teacher split as the student is; both ranks see the whole batch
+        for rank, result in enumerate(run_distributed(_kd_model_parallel, 2, corpus, tp_teacher, 2, expert_tp_size)):
+            assert result.pop("teacher_numel") < (0.7 if expert_tp_size == 2 else 0.9) * whole_teacher
+            for name, value in single.items():
+                torch.testing.assert_close(result[name], value, rtol=1e-4, atol=1e-5,
+                                           msg=f"TP=2 expert-TP={expert_tp_size} rank {rank}: {name}")
+
+
+def test_kd_under_pipeline_parallelism_equals_one_process(corpus, tp_teacher):
+    """PP=2 (a layer per stage): the last stage runs the whole teacher; every stage's parameters and
+    the KD losses equal one process's, the student initialised from the teacher stage by stage."""
+    single = _kd_model_parallel(corpus, tp_teacher, 1, 1)
+    whole_teacher = single.pop("teacher_numel")
+    first, last = run_distributed(_kd_model_parallel, 2, corpus, tp_teacher, 1, 1, 2)
+    assert (first.pop("teacher_numel"), last.pop("teacher_numel")) == (0, whole_teacher)
+    assert "layers.0.self_attention.query_key_value.weight" in first and "layers.1.mlp.router.weight" in last
+    for stage, result in enumerate((first, last)):
+        for name, value in result.items():
+            torch.testing.assert_close(value, single[name], rtol=1e-4, atol=1e-5, msg=f"stage {stage}: {name}")
 
 
 def test_teacher_errors_name_the_problem_before_training(corpus, teacher, tmp_path):

@@ -213,7 +213,6 @@ def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_betwee
 
 @pytest.mark.parametrize("flags, message", [
     ({"sequence_parallel": True}, "--sequence-parallel splits the activations between tensor-parallel regions"),
-    ({"expert_tensor_parallel_size": 2, "load_teacher": "teacher"}, "MoS distillation under --expert-tensor-parallel-size 2"),
 ])
 def test_what_tensor_parallelism_does_not_cover_yet_stops_with_one_sentence(corpus, flags, message) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -417,11 +417,6 @@ def _check_model_parallel_flags(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits the activations between tensor-parallel regions; "
                           "add --tensor-model-parallel-size N (N > 1) or drop it")
-    model_parallel = (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                      ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size))
-    for flag, size in model_parallel:
-        if size > 1 and args.load_teacher is not None:
-            raise ConfigError(f"MoS distillation under {flag} {size} is not built yet; distil with {flag} 1")
     layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 

@@ -18,6 +18,7 @@ from megatron.errors import CheckpointError
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
+from megatron.model.tensor_parallel import TensorParallel
 from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
 from megatron.checkpoint.tensors import ShardedReader, load_model_entries
 
@@ -91,10 +92,11 @@ def load_model(
     return LoadedModel(build_saved_model(folder, config, grid), tokenizer, config, int(client["iteration"]), folder)
 
 
-def build_saved_model(folder: Path, config: GPTConfig, grid: ParallelGrid) -> GPTModel:
+def build_saved_model(folder: Path, config: GPTConfig, grid: ParallelGrid, tp: TensorParallel = TensorParallel()) -> GPTModel:
     """`config`'s model on `grid` with the weights of checkpoint `folder`, in eval mode (each rank
-    reads only its own experts, whatever expert-parallel size saved them)."""
-    model = GPTModel(config, ep_group=grid.ep_group)
+    reads only its own experts, whatever expert-parallel size saved them, and under tensor
+    parallelism `tp` its slices)."""
+    model = GPTModel(config, ep_group=grid.ep_group, tp=tp)
     load_model_entries(model, ShardedReader(folder, "model"))
     return model.to(grid.device).eval()
 

@@ -92,6 +92,13 @@ def tensor_parallel_split(tensor: torch.Tensor) -> TensorParallelSplit | None:
     return getattr(tensor, "tensor_parallel_split", None)
 
 
+def local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `whole`, the value of `param` as one process holds it: its
+    tensor-parallel slice, or all of it."""
+    split = tensor_parallel_split(param)
+    return whole if split is None else split.slice_of(whole)
+
+
 def sum_gradient_over(param: nn.Parameter, group: dist.ProcessGroup | None) -> None:
     """A parameter every rank holds whole but uses on its own share of the positions (a norm under
     sequence parallelism): each backward's gradient is summed over the group before it accumulates."""
