@@ -1,6 +1,7 @@
 """Training under pipeline parallelism (1F1B) equals training on one process: 10 iterations of the
 Trainer at PP=2 (tied and untied embeddings, dense and MoE, ZeRO 0 and 1, an uneven split), at
-TP=2 x PP=2, PP=2 x DP=2, PP=2 x EP=2 and PP=2 x expert-TP=2, losses to 1e-5 relative and every stage's parameters after
+TP=2 x PP=2 and PP=2 x EP=2 (ZeRO 1 and 3), PP=2 x DP=2 (ZeRO 1, 2 and 3) and PP=2 x DP=2 x expert-TP=2
+(ZeRO 3), losses to 1e-5 relative and every stage's parameters after
 the steps; checkpoints move between PP=2 and one process."""
 
 import pytest
@@ -29,13 +30,14 @@ def _runs(world: int, folder: str) -> list[tuple[str, str, dict[str, object]]]:
             ("offload/zero1", "classic", offload(folder, "cpu")),
         ]
     return [
-        ("tp2/zero1", "modern", {**ARCHITECTURES["modern"], "tensor_model_parallel_size": 2, "sequence_parallel": True,
-                                 "zero_stage": 1}),
+        *((f"tp2/zero{stage}", "modern", {**ARCHITECTURES["modern"], "tensor_model_parallel_size": 2,
+                                           "sequence_parallel": True, "zero_stage": stage}) for stage in (1, 3)),
         ("dp2/zero1", "classic", {"zero_stage": 1}),
         # stages 2 and 3 reduce during backward: with untied embeddings only (nothing to sum between stages)
         ("dp2/zero2", "modern", {**ARCHITECTURES["modern"], "zero_stage": 2}),
         ("dp2/zero3", "modern", {**ARCHITECTURES["modern"], "zero_stage": 3}),
         ("ep2/zero1", "moe", {**ARCHITECTURES["moe"], "moe_expert_parallel_size": 2, "zero_stage": 1}),
+        ("ep2/zero3", "modern_moe", {**ARCHITECTURES["modern_moe"], "moe_expert_parallel_size": 2, "zero_stage": 3}),
         ("tp2ep2/zero1", "moe", TP2_EP2),
         ("dp2etp2/zero3", "modern_moe", {**ARCHITECTURES["modern_moe"], "expert_tensor_parallel_size": 2, "zero_stage": 3}),
     ]
