@@ -20,7 +20,8 @@ from megatron.errors import ConfigError
 from megatron.model.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
     copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, reduce_from_tp_region,
-    reduce_scatter_to_sequence_region, scatter_to_sequence_region, scatter_to_tp_region, shard, sum_gradient_over,
+    reduce_scatter_to_sequence_region, scatter_to_sequence_region, scatter_to_tp_region, sequence_gathered_linear, shard,
+    sum_gradient_over,
     tensor_parallel_split, tp_rank_and_size, unshard, vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import init_linear_, init_normal_, swiglu
@@ -409,3 +410,43 @@ def _check_layer_errors(group: dist.ProcessGroup) -> None:
         VocabParallelEmbedding(nn.Embedding(odd, H), group)
     with pytest.raises(ConfigError, match=r"dimension 1 of a \(2, 3, 8\) activation \(3\) is not divisible"):
         scatter_to_sequence_region(torch.zeros(B, 3, H), group)
+
+
+# --- the column-parallel product under sequence parallelism saves only this rank's positions ----
+
+def _saved_numel(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """fn's output and the elements autograd saved for its backward."""
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = fn()
+    return out, sum(saved)
+
+
+def _gathered_linear() -> Tensors:
+    group = dist.group.WORLD
+    rank, size = tp_rank_and_size(group)
+    out: Tensors = {}
+    for dtype in (None, torch.bfloat16):  # fp32, and under bf16 autocast as autocast's linear computes
+        for way, product in (("fused", lambda x, w, b: sequence_gathered_linear(x, w, b, group)),
+                             ("composed", lambda x, w, b: F.linear(gather_from_sequence_region(x, group), w, b))):
+            x_BsH = _randn(B, S // size, H, seed=300 + rank).requires_grad_()
+            w_oH, b_o = (_randn(F_, H, seed=301).requires_grad_(), _randn(F_, seed=302).requires_grad_())
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                y_BSo, saved = _saved_numel(lambda: product(x_BsH, w_oH, b_o))
+            y_BSo.float().backward(_randn(B, S, F_, seed=303))
+            key = f"{way}/{dtype}"
+            out.update({f"{key}/out": y_BSo.float(), f"{key}/x_grad": x_BsH.grad, f"{key}/w_grad": w_oH.grad,
+                        f"{key}/b_grad": b_o.grad, f"{key}/saved": torch.tensor(saved)})
+    return out
+
+
+def test_sequence_gathered_linear_equals_gather_then_linear_and_saves_a_tp_th_of_the_input():
+    for rank, result in enumerate(run_distributed(_gathered_linear, 2)):
+        for dtype in (None, torch.bfloat16):
+            for name in ("out", "x_grad", "w_grad", "b_grad"):
+                torch.testing.assert_close(result[f"fused/{dtype}/{name}"], result[f"composed/{dtype}/{name}"],
+                                           msg=f"rank {rank} {dtype} {name}")
+            # the composition saves the gathered [B, S, H] input; the fused product this rank's [B, S/2, H]
+            saved_input = {"fused": B * S // 2 * H, "composed": B * S * H}
+            assert (result[f"composed/{dtype}/saved"] - result[f"fused/{dtype}/saved"]).item() == \
+                saved_input["composed"] - saved_input["fused"], (rank, dtype)

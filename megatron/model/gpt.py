@@ -29,8 +29,8 @@ from megatron.model.moe import MoELayer
 from megatron.model.moe.shared_expert import SharedExpert
 from megatron.model.pipeline_stage import PipelineStage
 from megatron.model.tensor_parallel import (
-    ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_region,
-    gather_from_tp_region, scatter_to_sequence_region, vocab_parallel_cross_entropy,
+    ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, copy_to_tp_region,
+    gather_from_tp_region, scatter_to_sequence_region, sequence_gathered_linear, vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
 
@@ -161,11 +161,11 @@ class GPTModel(nn.Module):
             return x_BSH, router_loss
         head_VH = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         x_BSH = self.final_layernorm(x_BSH)
+        # under tensor parallelism this rank's vocabulary rows
         if self.tp.sequence_parallel:
-            x_BSH = gather_from_sequence_region(x_BSH, self.tp.group)
+            logits_BSV = sequence_gathered_linear(x_BSH, head_VH, None, self.tp.group)
         else:
-            x_BSH = copy_to_tp_region(x_BSH, self.tp.group)
-        logits_BSV = F.linear(x_BSH, head_VH)  # under tensor parallelism this rank's vocabulary rows
+            logits_BSV = F.linear(copy_to_tp_region(x_BSH, self.tp.group), head_VH)
         if labels_BS is None:
             return gather_from_tp_region(logits_BSV, self.tp.group)
         if self.tp.enabled:

@@ -253,6 +253,47 @@ def mark_split(param: nn.Parameter, dim: int, group: dist.ProcessGroup | None,
         param.tensor_parallel_split = TensorParallelSplit(dim, parts, rank, size, group)
 
 
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """gather_S(x) W^T + b that saves only this rank's x_BsH for backward and gathers it again there
+    (Megatron-Core's way): one more all-gather per backward for 1/tp of the input's memory. Under
+    autocast it computes as autocast's linear does, in the autocast dtype, and saves x in it."""
+
+    @staticmethod
+    def forward(ctx, x_BsH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        device = x_BsH.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.group, ctx.has_bias = group, bias is not None
+        x_BsH, weight_, bias = (t if t is None or ctx.dtype is None else t.to(ctx.dtype) for t in (x_BsH, weight, bias))
+        ctx.save_for_backward(x_BsH, weight)
+        with torch.autocast(device, enabled=False):
+            return F.linear(_gather(x_BsH, SEQUENCE_DIM, group), weight_, bias)
+
+    @staticmethod
+    def backward(ctx, grad_BSo: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_BsH, weight = ctx.saved_tensors
+        weight = weight if ctx.dtype is None else weight.to(ctx.dtype)
+        grad_BSo = grad_BSo.to(weight.dtype)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # each rank's gradient of the gathered input is partial: reduce-scatter it
+            grad_x = _reduce_scatter(grad_BSo.matmul(weight), SEQUENCE_DIM, ctx.group)
+        if ctx.needs_input_grad[1]:
+            x_NH = _gather(x_BsH, SEQUENCE_DIM, ctx.group).flatten(0, -2)
+            grad_weight = grad_BSo.flatten(0, -2).t().matmul(x_NH)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_BSo.flatten(0, -2).sum(0)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def sequence_gathered_linear(x_BsH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The column-parallel product of the whole sequence under sequence parallelism: this rank's
+    [B, s, H] positions all-gathered along S, times this rank's rows of W: [B, S, o]."""
+    if not is_parallel(group):
+        return F.linear(x_BsH, weight, bias)
+    return _SequenceGatheredLinear.apply(x_BsH, weight, bias, group)
+
+
 def _slice_parameter(full: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None,
                      partition_sizes: Sequence[int] | None = None) -> nn.Parameter | None:
     if full is None:
@@ -284,10 +325,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x_BSH = gather_from_sequence_region(x_BSH, self.group)
+            y_BSo = sequence_gathered_linear(x_BSH, self.weight, self.bias, self.group)
         else:
-            x_BSH = copy_to_tp_region(x_BSH, self.group)
-        y_BSo = F.linear(x_BSH, self.weight, self.bias)
+            y_BSo = F.linear(copy_to_tp_region(x_BSH, self.group), self.weight, self.bias)
         if not self.gather_output or not is_parallel(self.group):
             return y_BSo
         y_BSO = gather_from_tp_region(y_BSo, self.group)
