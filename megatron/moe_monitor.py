@@ -1,12 +1,13 @@
 """Expert-load observability: per MoE layer, tokens per expert (max/mean imbalance), share of
-routed choices dropped and router entropy, summed over a log interval and data-parallel ranks."""
+routed choices dropped and router entropy, summed over a log interval and data-parallel ranks;
+under pipeline parallelism every stage's layers, gathered from the stages."""
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron.parallel import all_reduce
+from megatron.parallel import all_reduce, is_parallel
 from megatron.model import GPTModel
 from megatron.model.moe import MoELayer
 
@@ -24,7 +25,9 @@ class LayerLoad:
 
 class MoEMonitor:
     def __init__(self, model: GPTModel) -> None:
-        self.layers = [(n, block.mlp) for n, block in enumerate(model.layers, start=1) if isinstance(block.mlp, MoELayer)]
+        # numbered by global layer index: a pipeline stage holds some of the layers
+        self.layers = [(int(index) + 1, block.mlp) for index, block in model.layers.named_children()
+                       if isinstance(block.mlp, MoELayer)]
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
 
     def accumulate(self) -> None:
@@ -35,8 +38,9 @@ class MoEMonitor:
                 value = layer.stats[key]
                 totals[key] = totals[key] + value if key in totals else value.clone()
 
-    def report(self, group: dist.ProcessGroup | None) -> list[LayerLoad]:
-        """Per-layer load since the last report, summed over `group`; resets the sums."""
+    def report(self, group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None) -> list[LayerLoad]:
+        """Per-layer load since the last report, summed over `group` (the ranks of this pipeline
+        stage), of every stage's layers (gathered over `pp_group`); resets the sums."""
         loads = []
         for number, totals in sorted(self.sums.items()):
             flat = torch.cat([totals[key].reshape(-1).double() for key in STAT_KEYS])
@@ -50,4 +54,8 @@ class MoEMonitor:
                 router_entropy=entropy.item() / max(tokens.item(), 1.0),
             ))
         self.sums.clear()
-        return loads
+        if not is_parallel(pp_group):
+            return loads
+        stages: list[list[LayerLoad]] = [[] for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(stages, loads, group=pp_group)
+        return sorted((load for stage in stages for load in stage), key=lambda load: load.layer)

@@ -440,7 +440,7 @@ class Trainer:
                     "tokens_per_second": t.tokens_per_iteration / seconds,
                     "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
                 })
-                self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group))
+                self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group, self.grid.pp_group))
                 interval_losses.clear()
                 interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
             if exit_reason:

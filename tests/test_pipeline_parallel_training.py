@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel_training import ARCHITECTURES, _train, assert_same, offload, write_offload_configs
 from tests.training_fixtures import tiny_config, write_corpus
@@ -140,3 +141,20 @@ def test_pipeline_parallel_training_equals_one_process(corpus, serial, folder, w
 def test_layer_splits_that_do_not_fit_stop_with_one_sentence(corpus, flags, message) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(corpus, **flags)
+
+
+def _moe_layers_reported(corpus: str) -> dict[str, torch.Tensor]:
+    """The MoE log's layers after one step at PP=2 with MoE layers 2 (stage 0) and 4 (stage 1)."""
+    grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
+    trainer = Trainer(tiny_config(corpus, num_layers=4, num_experts=[4], pipeline_model_parallel_size=2, lr_warmup_iters=0,
+                                  disable_moe_token_dropping=True), grid)
+    trainer.train_step(trainer.loader(trainer.train_data, 0))
+    loads = trainer.moe_monitor.report(grid.stage_group, grid.pp_group)
+    return {"layers": torch.tensor([load.layer for load in loads]),
+            "routed": torch.tensor([sum(load.tokens_per_expert) for load in loads])}
+
+
+def test_the_moe_log_shows_every_stages_layers(corpus) -> None:
+    for result in run_distributed(_moe_layers_reported, 2, corpus):
+        assert result["layers"].tolist() == [2, 4]
+        assert result["routed"].tolist() == [4 * 16, 4 * 16]  # a global batch of 4 x 16 tokens, top-1, dropless
