@@ -191,12 +191,12 @@ class _LoopedExpertMLP(torch.autograd.Function):
                     continue
                 grad_pH = row_block(grad_NH, s, p)
                 if grad_w2 is not None:
-                    torch.mm(activation(h, ctx.swiglu)[:n].t(), grad_pH[:n], out=grad_w2[e])
+                    weight_gradient(activation(h, ctx.swiglu), grad_pH, n, grad_w2[e])
                 if grad_b2 is not None:
                     torch.sum(grad_pH[:n], 0, out=grad_b2[e])
                 grad_pW = activation_backward(linear(grad_pH, w2_EFH[e], None), h, ctx.swiglu)
                 if grad_w1 is not None:
-                    torch.mm(expert_rows(x_XH, token_N, s, n).t(), grad_pW[:n], out=grad_w1[e])
+                    weight_gradient(expert_rows(x_XH, token_N, s, p), grad_pW, n, grad_w1[e])
                 if grad_b1 is not None:
                     torch.sum(grad_pW[:n], 0, out=grad_b1[e])
                 if grad_x is None:
@@ -267,6 +267,19 @@ def linear(x_pK: torch.Tensor, weight_MK: torch.Tensor, bias_M: torch.Tensor | N
     if bias_M is None:
         return torch.mm(x_pK, weight_MK.t())
     return torch.addmm(bias_M, x_pK, weight_MK.t())
+
+
+def weight_gradient(a_pK: torch.Tensor, b_pM: torch.Tensor, rows: int, out_KM: torch.Tensor) -> None:
+    """out = a[:rows]^T b[:rows] (an expert's weight gradient from its padded row block). Through
+    oneDNN's linear where it runs, on a contiguous copy of a^T whose columns past `rows` are zeroed,
+    so that oneDNN sees the padded row counts only (see `padded_rows`): faster than MKL's sgemm on
+    the transposed view (docs/benchmarks.md, the MoE layer)."""
+    if onednn_linear_runs(a_pK.device.type, a_pK.dtype):
+        a_Kp = a_pK.t().contiguous()
+        a_Kp[:, rows:] = 0
+        out_KM.copy_(torch.ops.mkldnn._linear_pointwise(a_Kp, b_pM.t(), None, "none", [], ""))
+    else:
+        torch.mm(a_pK[:rows].t(), b_pM[:rows], out=out_KM)
 
 
 @functools.cache
