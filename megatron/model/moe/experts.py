@@ -147,7 +147,7 @@ class _LoopedExpertMLP(torch.autograd.Function):
     saved (the backward recomputes each expert's activation). The activation and the GEMMs whose
     rows are the expert's rows run over `padded_rows(n)` rows (the rows after an expert's own belong
     to the next expert, or are zeros, and their results are dropped) so that oneDNN sees few shapes.
-    The weight gradients take exactly the expert's rows."""
+    The weight gradients run over the padded blocks too, the rows past the expert's own zeroed."""
 
     @staticmethod
     def forward(
