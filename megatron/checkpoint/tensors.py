@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from megatron.checkpoint.layout import rank_files
 from megatron.errors import CheckpointError
-from megatron.model.tensor_parallel import TP_SLICE_MARK, tensor_parallel_split, unshard
+from megatron.model.tensor_parallel import TP_SLICE_MARK, local_part, tensor_parallel_split, unshard
 
 SLICE_ENTRY = re.compile(rf"(?P<name>.+){TP_SLICE_MARK}0of(?P<count>\d+)")
 EXPERT_ENTRY = re.compile(r"(?P<name>.+)\[\d+\]")  # one expert of a stacked tensor
@@ -204,7 +204,7 @@ def load_model_entries(module: torch.nn.Module, reader: ShardedReader) -> None:
                 f"parameter {name} in {reader.files[0].parent} has shape {tuple(value.shape)} but this model's "
                 f"is {tuple(expected)}; use the same model flags as the run that saved it"
             )
-        loaded[name] = value if split is None else split.slice_of(value)
+        loaded[name] = local_part(tensor, value)
     module.load_state_dict(loaded)
 
 
