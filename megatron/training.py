@@ -62,11 +62,9 @@ def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, device: torch.d
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
-def lm_loss(engine: Engine, batch: dict[str, torch.Tensor],
-            hidden_BSH: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked-mean cross entropy and the model's MoE router loss (aux + z-loss, weighted); on a last
-    pipeline stage from the previous stage's `hidden_BSH`."""
-    losses_BS, router_loss = engine(batch["tokens"], labels_BS=batch["labels"], hidden_BSH=hidden_BSH)
+def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked-mean cross entropy and the model's MoE router loss (aux + z-loss, weighted)."""
+    losses_BS, router_loss = engine(batch["tokens"], labels_BS=batch["labels"])
     return masked_mean(losses_BS, batch["loss_mask"]), router_loss
 
 
@@ -261,25 +259,22 @@ class Trainer:
         if self.grid.pp_size > 1:
             return self._pipeline_train_step(data_iter)
         total = torch.zeros(3, device=self.grid.device)
+        d = self.config.distill
         for _ in range(self.engine.gradient_accumulation_steps):
-            objective, losses = self._objective(self._batch(data_iter))
+            batch = self._batch(data_iter)
+            if self.teacher is None:
+                loss, router_loss = lm_loss(self.engine, batch)
+                kd = torch.zeros((), device=self.grid.device)
+                objective = loss + router_loss
+            else:
+                loss, router_loss, kd = distillation_losses(self.engine, self.teacher, batch, d.temperature)
+                objective = d.alpha_ce * loss + router_loss + d.beta_ce * kd
             self.engine.backward(objective)
             self.engine.step()
             self.moe_monitor.accumulate()
-            total += losses
+            total += torch.stack([loss.detach(), router_loss.detach(), kd.detach()])
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
-
-    def _objective(self, batch: dict[str, torch.Tensor],
-                   hidden_BSH: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch's training objective where the loss is computed (the only, or the last
-        pipeline stage, from the previous stage's `hidden_BSH`), and its detached [lm, moe, kd] losses."""
-        if self.teacher is None:
-            loss, router_loss = lm_loss(self.engine, batch, hidden_BSH)
-            return loss + router_loss, torch.stack([loss, router_loss, torch.zeros_like(loss)]).detach()
-        d = self.config.distill
-        loss, router_loss, kd = distillation_losses(self.engine, self.teacher, batch, d.temperature, hidden_BSH)
-        return d.alpha_ce * loss + router_loss + d.beta_ce * kd, torch.stack([loss, router_loss, kd]).detach()
 
     def _stage_links(self) -> StageLinks:
         t, grid = self.config.training, self.grid
@@ -291,19 +286,23 @@ class Trainer:
         """The global batch's micro-batches in the 1F1B schedule; every stage reads the same ones
         (the first needs the tokens, the last the labels). The LM loss comes from the last stage;
         the router losses add up over the stages; with a teacher (the last stage's) its KD term too."""
-        engine, grid = self.engine, self.grid
+        engine, grid, d = self.engine, self.grid, self.config.distill
         batches = [self._batch(data_iter) for _ in range(engine.gradient_accumulation_steps)]
         total = torch.zeros(3, device=grid.device)
 
         def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
             batch = batches[index]
-            if grid.is_last_stage:
-                objective, losses = self._objective(batch, hidden_BSH)
-                total.add_(losses)
-                return None, (objective, None, hidden_BSH)
+            if self.teacher is not None:
+                loss, router_loss, kd = distillation_losses(engine, self.teacher, batch, d.temperature, hidden_BSH)
+                total.add_(torch.stack([loss, router_loss, kd]).detach())
+                return None, (d.alpha_ce * loss + router_loss + d.beta_ce * kd, None, hidden_BSH)
             output, router_loss = engine(batch["tokens"], labels_BS=batch["labels"], hidden_BSH=hidden_BSH)
             total[1] += router_loss.detach()
-            return output, (router_loss, output, hidden_BSH)
+            if not grid.is_last_stage:
+                return output, (router_loss, output, hidden_BSH)
+            loss = masked_mean(output, batch["loss_mask"])
+            total[0] += loss.detach()
+            return None, (loss + router_loss, None, hidden_BSH)
 
         def backward(saved: object, grad_BSH: torch.Tensor | None) -> torch.Tensor | None:
             objective, output, hidden_BSH = saved
