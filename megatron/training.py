@@ -71,8 +71,8 @@ def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tenso
 def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     """The settings that decide a run's memory and speed, for the log's first line."""
     zero = runtime.zero_optimization
-    tensor_parallel = f"tensor-parallel {grid.tp_size} | " if grid.tp_size > 1 else ""
-    tensor_parallel += f"pipeline-parallel {grid.pp_size} | " if grid.pp_size > 1 else ""
+    sizes = {"tensor": grid.tp_size, "expert-tensor": grid.expert_tp_size, "pipeline": grid.pp_size}
+    tensor_parallel = "".join(f"{kind}-parallel {size} | " for kind, size in sizes.items() if size > 1)
     return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
             f"{tensor_parallel}"
             f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
@@ -264,17 +264,23 @@ class Trainer:
             batch = self._batch(data_iter)
             if self.teacher is None:
                 loss, router_loss = lm_loss(self.engine, batch)
-                kd = torch.zeros((), device=self.grid.device)
-                objective = loss + router_loss
+                kd = None
             else:
                 loss, router_loss, kd = distillation_losses(self.engine, self.teacher, batch, d.temperature)
-                objective = d.alpha_ce * loss + router_loss + d.beta_ce * kd
-            self.engine.backward(objective)
+            self.engine.backward(self._objective(loss, router_loss, kd))
             self.engine.step()
             self.moe_monitor.accumulate()
-            total += torch.stack([loss.detach(), router_loss.detach(), kd.detach()])
+            total += torch.stack([loss, router_loss, torch.zeros_like(loss) if kd is None else kd]).detach()
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
+
+    def _objective(self, loss: torch.Tensor, router_loss: torch.Tensor, kd: torch.Tensor | None) -> torch.Tensor:
+        """What a micro-batch backpropagates: its LM and router losses, weighted with the KD term
+        as --mos asks when there is one."""
+        if kd is None:
+            return loss + router_loss
+        d = self.config.distill
+        return d.alpha_ce * loss + router_loss + d.beta_ce * kd
 
     def _stage_links(self) -> StageLinks:
         t, grid = self.config.training, self.grid
@@ -295,14 +301,14 @@ class Trainer:
             if self.teacher is not None:
                 loss, router_loss, kd = distillation_losses(engine, self.teacher, batch, d.temperature, hidden_BSH)
                 total.add_(torch.stack([loss, router_loss, kd]).detach())
-                return None, (d.alpha_ce * loss + router_loss + d.beta_ce * kd, None, hidden_BSH)
+                return None, (self._objective(loss, router_loss, kd), None, hidden_BSH)
             output, router_loss = engine(batch["tokens"], labels_BS=batch["labels"], hidden_BSH=hidden_BSH)
             total[1] += router_loss.detach()
             if not grid.is_last_stage:
                 return output, (router_loss, output, hidden_BSH)
             loss = masked_mean(output, batch["loss_mask"])
             total[0] += loss.detach()
-            return None, (loss + router_loss, None, hidden_BSH)
+            return None, (self._objective(loss, router_loss, None), None, hidden_BSH)
 
         def backward(saved: object, grad_BSH: torch.Tensor | None) -> torch.Tensor | None:
             objective, output, hidden_BSH = saved

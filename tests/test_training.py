@@ -1,6 +1,7 @@
 import json
 import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from megatron.errors import CheckpointError
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron import training_log
 from megatron.checkpoint import tensors as state_io
-from megatron.training import Trainer
+from megatron.training import Trainer, run_summary
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 
@@ -22,6 +23,14 @@ SINGLE = single_process_grid(torch.device("cpu"))
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_run_summary_names_every_parallel_size_above_one(corpus):
+    config = tiny_config(corpus, train_iters=60)
+    grid = replace(SINGLE, world_size=8, tp_size=2, expert_tp_size=2, pp_size=2)
+    summary = run_summary(config.runtime_config(1), grid)
+    assert "expert-parallel 1 | tensor-parallel 2 | expert-tensor-parallel 2 | pipeline-parallel 2 | ZeRO" in summary
+    assert "expert-tensor" not in run_summary(config.runtime_config(1), replace(grid, expert_tp_size=1))
 
 
 def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
