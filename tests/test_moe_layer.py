@@ -1,5 +1,7 @@
 """The MoE layer: sort dispatch against a per-token loop, and expert parallelism against EP=1."""
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,6 +123,31 @@ def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn, swiglu
     for got, want in zip(fast, [x_TH.grad] + [p.grad for p in layer.parameters()]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert torch.count_nonzero(fast[1][1]) == 0  # w1 of the expert without rows
+
+
+def test_cpu_expert_backward_frees_each_experts_activations_once_done(monkeypatch):
+    """By the time an expert's weight gradients are taken, the experts before it have let go of
+    their saved pre-activations; a second backward through the same forward says why it cannot run."""
+    torch.manual_seed(0)
+    layer = GroupedExperts(4, [0, 1, 2, 3], H, FFN, init_std=0.2, output_init_std=0.1)
+    counts = torch.tensor([6, 0, 5, 7])
+    out = layer(torch.randn(18, H, requires_grad=True), counts)
+    saved = [weakref.ref(h) for h in out.grad_fn.h_pW]
+    alive_at_each_call = []
+    real = experts.weight_gradient
+
+    def recording(*args):
+        alive_at_each_call.append([ref() is not None for ref in saved])
+        real(*args)
+
+    monkeypatch.setattr(experts, "weight_gradient", recording)
+    out.backward(torch.randn(18, H), retain_graph=True)
+    # two calls per expert with rows (w2, then w1), while the loop holds that expert's own block
+    T, F_ = True, False
+    assert alive_at_each_call == [[T, T, T, T]] * 2 + [[F_, F_, T, T]] * 2 + [[F_, F_, F_, T]] * 2
+    assert [ref() for ref in saved] == [None] * 4
+    with pytest.raises(RuntimeError, match="backward ran twice through one forward"):
+        out.backward(torch.randn(18, H))
 
 
 def test_expert_gradient_buffers_are_reused_but_never_under_a_live_gradient():

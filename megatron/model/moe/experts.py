@@ -144,10 +144,12 @@ class _LoopedExpertMLP(torch.autograd.Function):
     On the CPU this beats `torch._grouped_mm` (whose fallback loops over the groups too, with extra
     copies) and an activation over all rows: each expert's activation is still in cache when the
     next GEMM reads it, the biases ride in the GEMMs, and only the input and the pre-activations are
-    saved (the backward recomputes each expert's activation). The activation and the GEMMs whose
-    rows are the expert's rows run over `padded_rows(n)` rows (the rows after an expert's own belong
-    to the next expert, or are zeros, and their results are dropped) so that oneDNN sees few shapes.
-    The weight gradients run over the padded blocks too, the rows past the expert's own zeroed."""
+    saved (the backward recomputes each expert's activation, and frees each expert's pre-activations
+    once it is done with them, as autograd frees DeepSpeed's per-expert graphs, so that the next
+    expert's temporaries reuse their memory). The activation and the GEMMs whose rows are the
+    expert's rows run over `padded_rows(n)` rows (the rows after an expert's own belong to the next
+    expert, or are zeros, and their results are dropped) so that oneDNN sees few shapes. The weight
+    gradients run over the padded blocks too, the rows past the expert's own zeroed."""
 
     @staticmethod
     def forward(
@@ -165,13 +167,18 @@ class _LoopedExpertMLP(torch.autograd.Function):
                     continue
                 h_pW.append(linear(expert_rows(x_XH, token_N, s, p), w1_EHW[e].t(), expert_bias(b1_EW, e)))
                 y_NH[s:s + n] = linear(activation(h_pW[-1], swiglu), w2_EFH[e].t(), expert_bias(b2_EH, e))[:n]
-        ctx.save_for_backward(x_XH, token_N, w1_EHW, w2_EFH, *h_pW)
-        ctx.spans, ctx.grad_buffers, ctx.swiglu = spans, grad_buffers, swiglu
+        ctx.save_for_backward(x_XH, token_N, w1_EHW, w2_EFH)
+        # intermediates, held by ctx itself so that the backward can free each expert's as it goes
+        ctx.h_pW, ctx.spans, ctx.grad_buffers, ctx.swiglu = h_pW, spans, grad_buffers, swiglu
         return y_NH
 
     @staticmethod
     def backward(ctx, grad_NH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_XH, token_N, w1_EHW, w2_EFH, *h_pW = ctx.saved_tensors
+        x_XH, token_N, w1_EHW, w2_EFH = ctx.saved_tensors
+        h_pW, ctx.h_pW = ctx.h_pW, None
+        if h_pW is None:
+            raise RuntimeError("the experts' backward ran twice through one forward; it frees the experts' "
+                               "activations as it goes, so run the forward again instead of retain_graph=True")
         grad_NH = grad_NH.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:  # gathered rows add their gradients into their tokens
@@ -184,7 +191,8 @@ class _LoopedExpertMLP(torch.autograd.Function):
         grad_b2 = w2_EFH.new_empty(w2_EFH.shape[0], w2_EFH.shape[2]) if need_b2 else None
         weight_grads = [g for g in (grad_w1, grad_b1, grad_w2, grad_b2) if g is not None]
         with torch.autocast(x_XH.device.type, enabled=False):
-            for e, ((s, n, p), h) in enumerate(zip(ctx.spans, h_pW)):
+            for e, (s, n, p) in enumerate(ctx.spans):
+                h, h_pW[e] = h_pW[e], None  # freed once this expert is done, for the next one's temporaries
                 if n == 0:  # an expert without rows gets zero gradients
                     for grad in weight_grads:
                         grad[e].zero_()
