@@ -72,9 +72,9 @@ def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     """The settings that decide a run's memory and speed, for the log's first line."""
     zero = runtime.zero_optimization
     sizes = {"tensor": grid.tp_size, "expert-tensor": grid.expert_tp_size, "pipeline": grid.pp_size}
-    tensor_parallel = "".join(f"{kind}-parallel {size} | " for kind, size in sizes.items() if size > 1)
+    model_parallel = "".join(f"{kind}-parallel {size} | " for kind, size in sizes.items() if size > 1)
     return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
-            f"{tensor_parallel}"
+            f"{model_parallel}"
             f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
             f"optimizer offload {zero.offload_optimizer.device} | parameter offload {zero.offload_param.device} | "
             f"global batch {runtime.train_batch_size} = micro batch {runtime.train_micro_batch_size_per_gpu} x "
