@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -286,14 +287,22 @@ def time_case(case: Case, impls: list[str], rounds: int, steps: int, warmup: int
         for _ in range(warmup):
             step(models[impl], x, grad)
     times: dict[str, list[float]] = {i: [] for i in impls}
+    faults: dict[str, list[float]] = {i: [] for i in impls}
+    system: dict[str, list[float]] = {i: [] for i in impls}
     for _ in range(rounds):
         for impl in impls:
-            start = time.perf_counter()
+            usage, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(steps):
                 step(models[impl], x, grad)
             times[impl].append((time.perf_counter() - start) / steps)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            faults[impl].append((after.ru_minflt - usage.ru_minflt) / steps)
+            system[impl].append((after.ru_stime - usage.ru_stime) / steps)
     row = {**case._asdict(), "capacity": capacity(case), "onehot_est_bytes": onehot_bytes(case)}
     row.update({f"{i}_ms": 1000 * statistics.median(times[i]) for i in impls})
+    # fresh pages the kernel zeroes and maps in (new large tensors), and the system time they cost
+    row.update({f"{i}_page_faults": statistics.median(faults[i]) for i in impls})
+    row.update({f"{i}_system_ms": 1000 * statistics.median(system[i]) for i in impls})
     row["ours_over_dense"] = median_ratio(times["ours"], times["dense"])
     if "deepspeed" in impls:
         row["deepspeed_over_ours"] = median_ratio(times["deepspeed"], times["ours"])
@@ -377,6 +386,19 @@ def print_timing(rows: list[dict]) -> None:
             value = r["onehot_over_ours"]["median"]
             onehot = ratio_cell(value, value >= 2 if r["experts"] >= 16 else None)
         print(f"{case_cells(r)} {' '.join(cells)} {ds:>13} {dense:>15} {onehot:>12}")
+
+
+def print_page_faults(rows: list[dict]) -> None:
+    """Minor page faults and system time per step (medians over the rounds), which swing with the
+    host's state more than the arithmetic does."""
+    print("\npage faults and system time per step")
+    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours faults':>12} {'ours sys ms':>12}"
+          f" {'DS faults':>10} {'DS sys ms':>10}")
+    for r in rows:
+        cells = [f"{r[f'{impl}_page_faults']:{width}.0f} {r[f'{impl}_system_ms']:{width}.1f}"
+                 if f"{impl}_page_faults" in r else f"{'-':>{width}} {'-':>{width}}"
+                 for impl, width in (("ours", 12), ("deepspeed", 10))]
+        print(f"{case_cells(r)} {' '.join(cells)}")
 
 
 def print_memory(rows: list[dict]) -> None:
@@ -490,6 +512,7 @@ def main() -> None:
           f" x {args.steps} steps; DS DeepSpeed {'(not installed)' if 'deepspeed' not in wanted else ''},"
           f" (a) dense H->K*4H->H, (b) one-hot [S,E,C] einsum dispatch")
     print_timing(rows)
+    print_page_faults(rows)
     sys.stdout.flush()
     memory_rows = [] if args.no_memory else [
         measure_memory(c, [i for i in impls_of(c, wanted, cap_bytes) if i != "dense"], torch.get_num_threads(),

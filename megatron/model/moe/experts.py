@@ -56,18 +56,18 @@ class GroupedExperts(nn.Module):
                 mark_split(param, dim, self.tp_group, param_parts)
         if self.b2 is not None:  # added once after the group's sum, to this rank's own rows
             sum_gradient_over(self.b2, self.tp_group)
-        self._init_by_global_id(num_experts, global_ids, init_std, output_init_std, parts, hidden_size, ffn_hidden_size)
+        self._init_by_global_id(num_experts, global_ids, init_std, output_init_std, parts)
         self.grad_buffers = GradientBuffers()
 
     @torch.no_grad()
     def _init_by_global_id(self, num_experts: int, global_ids: list[int], std: float, output_std: float,
-                           parts: tuple[int, int] | None, hidden_size: int, ffn_hidden_size: int) -> None:
+                           parts: tuple[int, int] | None) -> None:
         """Draw every expert of the layer whole in global order and keep this rank's (slices): the
         same seed gives the same experts, and leaves the RNG in the same state, whatever the
         expert-parallel and expert-tensor-parallel sizes."""
         tp_rank, tp_size = tp_rank_and_size(self.tp_group)
         local_index = {g: i for i, g in enumerate(global_ids)}
-        width = self.w1.shape[2] * tp_size
+        hidden_size, width, ffn_hidden_size = self.w1.shape[1], self.w1.shape[2] * tp_size, self.w2.shape[1] * tp_size
         for g in range(num_experts):
             w1 = self.w1.new_empty(hidden_size, width).normal_(0.0, std)
             w2 = self.w2.new_empty(ffn_hidden_size, hidden_size).normal_(0.0, output_std)
