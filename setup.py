@@ -40,6 +40,17 @@ ADAM_EXTENSION = Extension(
     language="c++",
 )
 
+# The padded transpose behind the experts' weight gradients: plain C++17, pybind11, no torch headers;
+# its AVX2 tile kernel is chosen at run time, so no -march either.
+TRANSPOSE_EXTENSION = Extension(
+    "megatron.ops._transpose",
+    sources=["csrc/transpose/transpose_kernel.cpp", "csrc/transpose/bindings.cpp"],
+    depends=["csrc/transpose/transpose_kernel.h"],
+    include_dirs=[pybind11.get_include()],
+    extra_compile_args=["-O3", "-std=c++17"],
+    language="c++",
+)
+
 setup(
     name="megatron-moe",
     version="0.1.0",
@@ -47,7 +58,7 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*", "tasks", "tasks.*"]),
     # the local evaluation tasks: lm-eval task definitions and their tiny JSONL data
     package_data={"tasks.eval_harness": ["tasks/*.yaml", "data/*.jsonl"]},
-    ext_modules=[AIO_EXTENSION, ADAM_EXTENSION],
+    ext_modules=[AIO_EXTENSION, ADAM_EXTENSION, TRANSPOSE_EXTENSION],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

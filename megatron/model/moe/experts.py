@@ -18,6 +18,7 @@ from megatron.errors import ConfigError
 from megatron.model.moe.expert_tensor_parallel import gather_rows, sum_rows
 from megatron.model.moe.grouped_gemm import grouped_linear
 from megatron.model.tensor_parallel import mark_split, shard, sum_gradient_over, tp_rank_and_size
+from megatron.ops.transpose import transposed_padded
 
 
 class GroupedExperts(nn.Module):
@@ -279,12 +280,11 @@ def linear(x_pK: torch.Tensor, weight_MK: torch.Tensor, bias_M: torch.Tensor | N
 
 def weight_gradient(a_pK: torch.Tensor, b_pM: torch.Tensor, rows: int, out_KM: torch.Tensor) -> None:
     """out = a[:rows]^T b[:rows] (an expert's weight gradient from its padded row block). Through
-    oneDNN's linear where it runs, on a contiguous copy of a^T whose columns past `rows` are zeroed,
-    so that oneDNN sees the padded row counts only (see `padded_rows`): faster than MKL's sgemm on
-    the transposed view (docs/benchmarks.md, the MoE layer)."""
+    oneDNN's linear where it runs, on a contiguous copy of a^T whose columns past `rows` are zeroed
+    (megatron/ops/transpose.py), so that oneDNN sees the padded row counts only (see `padded_rows`):
+    faster than MKL's sgemm on the transposed view (docs/benchmarks.md, the MoE layer)."""
     if onednn_linear_runs(a_pK.device.type, a_pK.dtype):
-        a_Kp = a_pK.t().contiguous()
-        a_Kp[:, rows:] = 0
+        a_Kp = transposed_padded(a_pK, rows)
         out_KM.copy_(torch.ops.mkldnn._linear_pointwise(a_Kp, b_pM.t(), None, "none", [], ""))
     else:
         torch.mm(a_pK[:rows].t(), b_pM[:rows], out=out_KM)
