@@ -1,6 +1,6 @@
 """A float32 row block transposed into a contiguous matrix with zero columns appended: the layout in
 which the experts' weight gradients feed each expert's rows to oneDNN (megatron/model/moe/experts.py).
-Through the native extension csrc/transpose (AVX2 tiles; torch's transposing copy is several times
+Through the native extension csrc/transpose (AVX2 tiles; torch's transposing copy is 1.8-3.6x
 slower at these sizes, docs/benchmarks.md) where it is built and the block is a float32 CPU matrix
 with unit column stride, else through torch, with the same result."""
 
