@@ -27,6 +27,11 @@ def parse_weighted_prefixes(items: list[str]) -> tuple[list[str], list[float]]:
     return prefixes, [w / total for w in weights]
 
 
+def data_prefixes(items: list[str]) -> list[str]:
+    """The data set prefixes of a Megatron prefix list, [p] or [w1, p1, w2, p2, ...] (or none)."""
+    return items if len(items) <= 1 else parse_weighted_prefixes(items)[0]
+
+
 def build_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """For each of `size` samples, the data set furthest behind its share, and that set's next sample.
 

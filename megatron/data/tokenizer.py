@@ -31,6 +31,11 @@ class Tokenizer(ABC):
     @abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str: ...
 
+    @property
+    def unknown_id(self) -> int | None:
+        """The id text outside the vocabulary becomes, where there is one."""
+        return None
+
 
 def _require_file(path: str, flag: str) -> None:
     if not os.path.isfile(path):
@@ -69,6 +74,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    @property
+    def unknown_id(self) -> int | None:
+        return self._sp.unk_id()  # SentencePiece's trainer always makes one
 
 
 def _bytes_to_unicode() -> dict[int, str]:

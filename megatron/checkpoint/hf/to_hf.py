@@ -21,7 +21,8 @@ from megatron.checkpoint.hf.link_runner import LinkRunner, plan
 from megatron.checkpoint.hf.our_checkpoint import check_entries, expected_entries
 from megatron.checkpoint.hf.safetensors_io import TensorIndex, write_file
 from megatron.checkpoint.hf.tensor_maps import model_links
-from megatron.checkpoint.hf.tokenizer_files import export_tokenizer, first_difference
+from megatron.checkpoint.hf.tokenizer_check import compare, probe_texts, training_texts
+from megatron.checkpoint.hf.tokenizer_files import export_tokenizer
 from megatron.checkpoint.layout import MODEL, rank_files
 from megatron.checkpoint.tensors import pack_by_size
 from megatron.data.tokenizer import Tokenizer
@@ -80,7 +81,7 @@ def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_b
         staging.mkdir(parents=True)
         try:
             tokens = export_tokenizer(flags["tokenizer_type"], files, tokenizer, staging, config.max_position_embeddings)
-            check_tokenizer(tokenizer, staging, log)
+            check_tokenizer(tokenizer, staging, flags.get("data_path") or flags.get("train_data_path"), log)
             stored = str(shards[0][0].info.dtype).removeprefix("torch.")
             (staging / "config.json").write_text(json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n")
             runner = LinkRunner(links, True, index, dtype)
@@ -104,12 +105,21 @@ def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_b
     return out
 
 
-def check_tokenizer(tokenizer: Tokenizer, folder: Path, log: Log) -> None:
-    """The exported tokenizer must give our ids; checked where transformers is installed."""
+def check_tokenizer(tokenizer: Tokenizer, folder: Path, data_paths: list[str] | None, log: Log) -> None:
+    """The exported tokenizer must give our ids, and our text back, on the probe texts and on
+    documents of the training data (`data_paths`, as --data-path); checked where transformers is
+    installed."""
     if importlib.util.find_spec("transformers") is None:
         log(" > transformers is not installed, so the exported tokenizer was not checked against ours")
         return
-    difference = first_difference(tokenizer, folder)
-    if difference:
-        raise CheckpointError(f"the exported tokenizer does not match the checkpoint's: {difference}; nothing was "
-                              "written (export with the tokenizer files the model was trained with)")
+    probes, documents = probe_texts(tokenizer), training_texts(data_paths, tokenizer, log)
+    comparison = compare(tokenizer, folder, probes + documents)
+    if comparison.difference:
+        raise CheckpointError(f"the exported tokenizer does not match the checkpoint's: {comparison.difference}; "
+                              "nothing was written (export with the tokenizer files the model was trained with)")
+    agreed = f"{len(probes)} probe texts and {len(documents)} documents of the training data"
+    if comparison.unknown_rendering:
+        log(f" > the exported tokenizer gives our ids and text on {agreed}, but for the unknown piece, which it "
+            f"renders as {comparison.unknown_rendering}")
+    else:
+        log(f" > the exported tokenizer gives our ids and text on {agreed}")

@@ -1,12 +1,13 @@
-"""Tokenizers both ways, checked to give the same ids.
+"""Tokenizers both ways, checked to give the same ids (tokenizer_check.py).
 
 Export: a SentencePiece model goes as tokenizer.model plus the tokenizer.json that transformers
 builds from the model's own settings (its normalizer, dummy prefix, byte fallback), loaded as
 PreTrainedTokenizerFast: transformers' LlamaTokenizer would apply Llama's whitespace rules instead
-of the model's. GPT-2's BPE goes as vocab.json and merges.txt for GPT2Tokenizer. The NullTokenizer
-(text is space-separated ids) goes as a word-level tokenizer.json that maps "17" to 17. Neither
-side adds a BOS or EOS token by itself, as ours does not. The exported tokenizer must give our ids
-on a few probe texts, or the export stops.
+of the model's. Its decoder then renders the unknown piece as SentencePiece does, and
+`split_special_tokens` keeps "</s>" in text as text, as SentencePiece does. GPT-2's BPE goes as
+vocab.json and merges.txt for GPT2Tokenizer. The NullTokenizer (text is space-separated ids)
+goes as a word-level tokenizer.json that maps "17" to 17. Neither side adds a BOS or EOS token by
+itself, as ours does not.
 
 Import: tokenizer.model becomes our SentencePieceTokenizer, vocab.json + merges.txt our
 GPT2BPETokenizer (both copied next to the checkpoint), the word-level ids of an exported
@@ -16,33 +17,44 @@ text). A difference from the Hugging Face tokenizer on the probe texts is report
 """
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.checkpoint.hf.tokenizer_check import compare, probe_texts, require_transformers
 from megatron.data.tokenizer import GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer, Tokenizer
 from megatron.errors import CheckpointError, DataError
 
-PROBE_TEXTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! It's 2024: naïve café, 東京 and 🙂 too.",
-    "  two  spaces,\ttabs\nand\n\nnew lines ",
-    "x = f(3.14159) + y_2 ** -1  # code",
-)
 GPT2_END = "<|endoftext|>"
+# Unicode's noncharacters, reserved for a program's internal use (render_unknown_as_sentencepiece)
+NONCHARACTERS = tuple(map(chr, range(0xFDD0, 0xFDF0)))
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
 
 
-def _require_transformers(what: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(f"{what} needs transformers; pip install transformers") from None
-    return transformers
+def render_unknown_as_sentencepiece(path: Path, sp: Any) -> None:
+    """Make the tokenizer.json at `path` decode the unknown id of `sp` (a SentencePieceProcessor)
+    as SentencePiece does (its unk_surface, " ⁇ ") instead of as the piece ("<unk>"). The piece
+    first becomes a noncharacter that no piece holds, which becomes the surface once the rest of
+    the decoder has run: the rest strips the dummy prefix's space from the text's start, and must
+    not take the surface's own (SentencePiece keeps it). A decoder that cannot be extended so is
+    left as it is, and the check reports the rendering."""
+    content = json.loads(path.read_text())
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    stand_in = next((c for c in NONCHARACTERS if not any(c in piece for piece in pieces)), None)
+    decoder = content.get("decoder")
+    if decoder is None or stand_in is None:
+        return
+    unknown = sp.id_to_piece(sp.unk_id())
+    content["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"Regex": rf"\A{re.escape(unknown)}\z"}, "content": stand_in},
+        *(decoder["decoders"] if decoder["type"] == "Sequence" else [decoder]),
+        {"type": "Replace", "pattern": {"String": stand_in}, "content": sp.decode([sp.unk_id()])}]}
+    _write_json(path, content)
 
 
 def export_tokenizer(kind: str, files: dict[str, str | None], ours: Tokenizer, out: Path,
@@ -58,14 +70,16 @@ def export_tokenizer(kind: str, files: dict[str, str | None], ours: Tokenizer, o
         sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
         specials = {f"{name}_token": sp.id_to_piece(i) for name, i in
                     (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id())) if i >= 0}
-        _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **specials, **common})
-        transformers = _require_transformers("exporting a SentencePiece tokenizer")
+        _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                                                    "split_special_tokens": True, **common})
+        transformers = require_transformers("exporting a SentencePiece tokenizer")
         try:  # transformers 5 builds tokenizer.json from the model's own settings
             built = transformers.AutoTokenizer.from_pretrained(str(out))
             built.backend_tokenizer.save(str(out / "tokenizer.json"))
         except (ValueError, OSError, AttributeError) as error:
             raise CheckpointError(f"transformers {transformers.__version__} cannot build tokenizer.json from a "
                                   f"SentencePiece model ({error}); pip install -U 'transformers>=5'") from None
+        render_unknown_as_sentencepiece(out / "tokenizer.json", sp)
         return {"bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None, "eos_token_id": ours.eod}
     if kind == "GPT2BPETokenizer":
         shutil.copyfile(files["vocab_file"], out / "vocab.json")
@@ -82,25 +96,6 @@ def export_tokenizer(kind: str, files: dict[str, str | None], ours: Tokenizer, o
     _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast",
                                                 "eos_token": str(ours.eod), **common})
     return {"bos_token_id": None, "eos_token_id": ours.eod}
-
-
-def probe_texts(ours: Tokenizer) -> tuple[str, ...]:
-    if isinstance(ours, NullTokenizer):
-        step = max(ours.vocab_size // 7, 1)
-        return (" ".join(str(i) for i in range(0, ours.vocab_size, step)), f"0 {ours.eod}  1\n2")
-    return PROBE_TEXTS
-
-
-def first_difference(ours: Tokenizer, folder: Path) -> str | None:
-    """How the tokenizer AutoTokenizer loads from `folder` differs from ours on the probe texts, or None."""
-    theirs = _require_transformers("checking the tokenizer").AutoTokenizer.from_pretrained(str(folder))
-    for text in probe_texts(ours):
-        ids = theirs(text, add_special_tokens=False)["input_ids"]
-        if ids != ours.tokenize(text):
-            return f"it splits {text!r} into ids {ids[:12]} where ours gives {ours.tokenize(text)[:12]}"
-        if theirs.decode(ids) != ours.detokenize(ids):
-            return f"it decodes {text!r} as {theirs.decode(ids)!r} where ours gives {ours.detokenize(ids)!r}"
-    return None
 
 
 def null_tokenizer_size(hf_dir: Path) -> int | None:
@@ -154,10 +149,14 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
     note = None
     if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         try:
-            difference = first_difference(tokenizer, hf_dir)
+            comparison = compare(tokenizer, hf_dir, probe_texts(tokenizer))
+            difference, rendering = comparison.difference, comparison.unknown_rendering
         except Exception as error:  # a tokenizer transformers cannot load is not ours to judge
-            difference = f"transformers could not load it to compare ({type(error).__name__}: {error})"
+            difference, rendering = f"transformers could not load it to compare ({type(error).__name__}: {error})", None
         if difference:
             note = (f"{hf_dir}'s Hugging Face tokenizer and ours from the same files differ: {difference}; data "
                     "tokenized by this toolkit follows ours")
+        elif rendering:
+            note = (f"{hf_dir}'s Hugging Face tokenizer and ours from the same files give the same ids and text on the "
+                    f"probe texts but for the unknown piece, which it renders as {rendering}")
     return ImportedTokenizer(flags, tokenizer, note)
