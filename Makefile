@@ -1,5 +1,5 @@
 # `make demo`: install, build a corpus, tokenizer and dataset, train a small model and generate from it.
-# `make test`: install and run the test suite.
+# `make test`: install, lint (ruff check, ruff format --check) and run the test suite.
 #
 # Everything is installed into a virtual environment, .venv/ (created on first use with
 # $(BASE_PYTHON) -m venv), so a system Python that refuses pip installs (PEP 668,
@@ -44,7 +44,7 @@ else
 INSTALL_TORCH = $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 endif
 
-.PHONY: install demo test
+.PHONY: install demo test lint
 
 # The virtual environment, unless PYTHON points elsewhere. A failed `venv` (Debian without the
 # python3-venv package) leaves a half-made folder: remove it, so the next run tries again.
@@ -62,5 +62,9 @@ install: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
 demo: install
 	DEMO_DIR=$(DEMO_DIR) PYTHON=$(PYTHON) bash examples_deepspeed/pretrain_gpt_demo.sh
 
-test: install
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: lint
 	$(PYTHON) -m pytest -q tests

@@ -71,7 +71,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "transformers>=5"],  # the Hugging Face tests (GLM-4-MoE, SentencePiece export need 5)
+        # transformers: the Hugging Face tests (GLM-4-MoE, SentencePiece export need 5); ruff: `make test` lints first
+        "test": ["pytest", "transformers>=5", "ruff>=0.17,<0.18"],
         "eval": ["lm-eval"],
     },
     entry_points={

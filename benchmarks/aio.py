@@ -46,9 +46,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -80,19 +81,36 @@ def default_folder() -> Path:
 
 
 def machine(folder: Path) -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     source = subprocess.run(["df", "--output=source", str(folder)], capture_output=True, text=True).stdout.split()[-1]
-    return {"host": platform.node(), "kernel": platform.release(), "cpu": cpu, "cpus": os.cpu_count(),
-            "torch": torch.__version__, "folder": str(folder), "device": source, "filesystem": fs_type(folder)}
+    return {
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "folder": str(folder),
+        "device": source,
+        "filesystem": fs_type(folder),
+    }
 
 
 def ensure_fio() -> str:
     if shutil.which("fio") is None:
         print("fio is missing: installing it with apt-get", flush=True)
         subprocess.run(["apt-get", "update", "-qq"], check=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "fio"], check=True,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "fio"],
+            check=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
     return subprocess.run(["fio", "--version"], capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -112,25 +130,42 @@ class FioConfig:
 def fio_grid(hugepages: bool, smallest: int) -> list[FioConfig]:
     """Every combination with at most MAX_FIO_IN_FLIGHT bytes in flight and a block per job share."""
     memories = (False, True) if hugepages else (False,)
-    return [FioConfig(parse_size(bs), depth, jobs, memory) for bs in SWEEP_BLOCKS for depth in SWEEP_DEPTHS
-            for jobs in SWEEP_JOBS for memory in memories
-            if parse_size(bs) * depth * jobs <= MAX_FIO_IN_FLIGHT and parse_size(bs) * jobs <= smallest]
+    return [
+        FioConfig(parse_size(bs), depth, jobs, memory)
+        for bs in SWEEP_BLOCKS
+        for depth in SWEEP_DEPTHS
+        for jobs in SWEEP_JOBS
+        for memory in memories
+        if parse_size(bs) * depth * jobs <= MAX_FIO_IN_FLIGHT and parse_size(bs) * jobs <= smallest
+    ]
 
 
 def fio_gbps(path: Path, config: FioConfig, read: bool, size: int) -> float:
     """One fio pass over the first `size` bytes of `path`, each job on its own contiguous share."""
     rw = "read" if read else "write"
     share = size // config.numjobs
-    command = ["fio", "--name=aio_bench", f"--filename={path}", "--direct=1", "--ioengine=libaio",
-               f"--bs={config.bs}", f"--iodepth={config.iodepth}", f"--numjobs={config.numjobs}", f"--size={share}",
-               f"--offset_increment={share}", f"--rw={rw}", "--group_reporting", "--output-format=json"]
+    command = [
+        "fio",
+        "--name=aio_bench",
+        f"--filename={path}",
+        "--direct=1",
+        "--ioengine=libaio",
+        f"--bs={config.bs}",
+        f"--iodepth={config.iodepth}",
+        f"--numjobs={config.numjobs}",
+        f"--size={share}",
+        f"--offset_increment={share}",
+        f"--rw={rw}",
+        "--group_reporting",
+        "--output-format=json",
+    ]
     if config.hugepages:
         command.append("--mem=shmhuge")
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0:
         raise OSError(errno.EIO, f"fio {config.label()} failed: {run.stderr.strip()[-300:]}", str(path))
     out = run.stdout
-    return json.loads(out[out.index("{"):])["jobs"][0][rw]["bw_bytes"] / 1e9
+    return json.loads(out[out.index("{") :])["jobs"][0][rw]["bw_bytes"] / 1e9
 
 
 def free_huge_pages() -> int:
@@ -161,8 +196,9 @@ def fio_timed(path: Path, config: FioConfig, flush: bool, read: bool, size: int)
     return fio_gbps(path, config, read, size)
 
 
-def fio_sweep(path: Path, sizes: list[int], args: argparse.Namespace, hugepages: bool,
-              flush: bool) -> tuple[dict[str, Any], dict[tuple[bool, int], FioConfig]]:
+def fio_sweep(
+    path: Path, sizes: list[int], args: argparse.Namespace, hugepages: bool, flush: bool
+) -> tuple[dict[str, Any], dict[tuple[bool, int], FioConfig]]:
     """Per direction: the whole grid once at --sweep-size, then the finalists interleaved at every
     size. Returns the record of every pass and the best configuration per (read, size)."""
     sweep_size = parse_size(args.sweep_size)
@@ -173,7 +209,7 @@ def fio_sweep(path: Path, sizes: list[int], args: argparse.Namespace, hugepages:
         op = "read" if read else "write"
         print(f"fio sweep, {op}: {len(grid)} configurations at {args.sweep_size}", flush=True)
         first = {config: fio_timed(path, config, flush, read, sweep_size) for config in grid}
-        finalists = sorted(grid, key=first.__getitem__, reverse=True)[:args.finalists]
+        finalists = sorted(grid, key=first.__getitem__, reverse=True)[: args.finalists]
         reruns: dict[tuple[int, FioConfig], list[float]] = {(s, c): [] for s in sizes for c in finalists}
         for size in sizes:
             for _ in range(args.sweep_repeats):
@@ -181,11 +217,18 @@ def fio_sweep(path: Path, sizes: list[int], args: argparse.Namespace, hugepages:
                     reruns[size, config].append(fio_timed(path, config, flush, read, size))
             best[read, size] = max(finalists, key=lambda c, s=size: statistics.median(reruns[s, c]))
         record[op] = {
-            "grid": sorted(({**asdict(c), "label": c.label(), "gbps": g} for c, g in first.items()),
-                           key=lambda row: -row["gbps"]),
+            "grid": sorted(
+                ({**asdict(c), "label": c.label(), "gbps": g} for c, g in first.items()), key=lambda row: -row["gbps"]
+            ),
             "finalists": [{**asdict(c), "label": c.label(), "size": s, "gbps": g} for (s, c), g in reruns.items()],
-            "best": {format_size(s): {**asdict(best[read, s]), "label": best[read, s].label(),
-                                      "gbps": statistics.median(reruns[s, best[read, s]])} for s in sizes},
+            "best": {
+                format_size(s): {
+                    **asdict(best[read, s]),
+                    "label": best[read, s].label(),
+                    "gbps": statistics.median(reruns[s, best[read, s]]),
+                }
+                for s in sizes
+            },
         }
     return record, best
 
@@ -199,8 +242,12 @@ def timed_pass(handle: Any, buffer: torch.Tensor, path: Path, read: bool) -> flo
     completed = handle.wait()
     seconds = time.perf_counter() - start
     if queued != 0 or completed != 1:  # DeepSpeed's handle reports failures as return codes
-        raise OSError(errno.EIO, f"{'reading' if read else 'writing'} {buffer.numel()} bytes failed (submit "
-                                 f"returned {queued}, wait {completed})", str(path))
+        raise OSError(
+            errno.EIO,
+            f"{'reading' if read else 'writing'} {buffer.numel()} bytes failed (submit "
+            f"returned {queued}, wait {completed})",
+            str(path),
+        )
     return buffer.numel() / seconds / 1e9
 
 
@@ -225,8 +272,9 @@ def filled_buffer(buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-def small_buffer_timed(handle: Any, buffer: torch.Tensor, path: Path, flush: bool, piece: int, read: bool,
-                       size: int) -> float:
+def small_buffer_timed(
+    handle: Any, buffer: torch.Tensor, path: Path, flush: bool, piece: int, read: bool, size: int
+) -> float:
     """GB/s of our op reading `size` bytes of the file as async ops of `piece` bytes, all into the same
     buffer: fio's memory footprint (bs x iodepth x numjobs, reused for every request). The control
     for fio's reads, which land in a buffer small enough to stay in the CPU caches."""
@@ -234,13 +282,14 @@ def small_buffer_timed(handle: Any, buffer: torch.Tensor, path: Path, flush: boo
         drop_page_cache()
     start = time.perf_counter()
     for offset in range(0, size, piece):
-        handle.async_pread(buffer[:min(piece, size - offset)], str(path), offset)
+        handle.async_pread(buffer[: min(piece, size - offset)], str(path), offset)
     handle.wait()
     return size / (time.perf_counter() - start) / 1e9
 
 
-def ours_passes(path: Path, size: int, threads: list[int], plain: torch.Tensor,
-                flush: bool) -> tuple[dict[str, Pass], Callable[[int], Pass]]:
+def ours_passes(
+    path: Path, size: int, threads: list[int], plain: torch.Tensor, flush: bool
+) -> tuple[dict[str, Pass], Callable[[int], Pass]]:
     """Every column of ours, and the small-buffer control for a given piece size."""
     aio_handle = handle_factory()
     handles = {t: aio_handle(intra_op_parallelism=t) for t in threads}
@@ -258,20 +307,26 @@ def load_deepspeed() -> tuple[Any, str]:
         import deepspeed
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except ImportError as exc:
-        return None, (f"DeepSpeed is not importable here ({exc}): its columns are skipped; run this script "
-                      "with a Python that has deepspeed installed")
+        return None, (
+            f"DeepSpeed is not importable here ({exc}): its columns are skipped; run this script "
+            "with a Python that has deepspeed installed"
+        )
     try:
         return AsyncIOBuilder().load(verbose=False), deepspeed.__version__
     except Exception as exc:  # a JIT build fails in many ways: no compiler, no libaio-dev, ...
-        return None, (f"DeepSpeed {deepspeed.__version__}'s async_io op could not be built ({type(exc).__name__}: "
-                      f"{exc}): its columns are skipped; it needs libaio-dev and a C++ compiler")
+        return None, (
+            f"DeepSpeed {deepspeed.__version__}'s async_io op could not be built ({type(exc).__name__}: "
+            f"{exc}): its columns are skipped; it needs libaio-dev and a C++ compiler"
+        )
 
 
 def deepspeed_passes(module: Any, path: Path, size: int, plain: torch.Tensor, flush: bool) -> dict[str, Pass]:
     handle = module.aio_handle()
     locked = filled_buffer(handle.new_cpu_locked_tensor(size, UINT8))
-    return {"deepspeed": functools.partial(handle_timed, handle, locked, path, flush),
-            "deepspeed_plain": functools.partial(handle_timed, handle, plain, path, flush)}
+    return {
+        "deepspeed": functools.partial(handle_timed, handle, locked, path, flush),
+        "deepspeed_plain": functools.partial(handle_timed, handle, plain, path, flush),
+    }
 
 
 # -- rounds ------------------------------------------------------------------------------------------
@@ -288,8 +343,9 @@ def ratio_pairs(names: list[str], threads: list[int]) -> dict[str, tuple[str, st
     return pairs
 
 
-def run_rounds(passes: dict[str, Pass], size: int, read: bool, loops: int, threads: list[int],
-               loads: list[float]) -> dict[str, Any]:
+def run_rounds(
+    passes: dict[str, Pass], size: int, read: bool, loops: int, threads: list[int], loads: list[float]
+) -> dict[str, Any]:
     """`loops` rounds of one pass per column, in an order that rotates every round."""
     for run in passes.values():
         run(read, size)  # warm-up, untimed; the first write lays out each side's file
@@ -297,13 +353,19 @@ def run_rounds(passes: dict[str, Pass], size: int, read: bool, loops: int, threa
     names = list(passes)
     for round_ in range(loops):
         # Rotate the order: on a virtual disk, going first or after a given pass shifts speed.
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             gbps[name].append(passes[name](read, size))
         loads.append(os.getloadavg()[0])
-    row: dict[str, Any] = {"size": size, "op": "read" if read else "write", "loops_gbps": gbps,
-                           "gbps": {name: statistics.median(values) for name, values in gbps.items()}}
-    row["ratios"] = {label: statistics.median(x / y for x, y in zip(gbps[a], gbps[b]))
-                     for label, (a, b) in ratio_pairs(names, threads).items()}
+    row: dict[str, Any] = {
+        "size": size,
+        "op": "read" if read else "write",
+        "loops_gbps": gbps,
+        "gbps": {name: statistics.median(values) for name, values in gbps.items()},
+    }
+    row["ratios"] = {
+        label: statistics.median(x / y for x, y in zip(gbps[a], gbps[b]))
+        for label, (a, b) in ratio_pairs(names, threads).items()
+    }
     return row
 
 
@@ -332,14 +394,19 @@ def print_table(rows: list[dict[str, Any]], key: str, fmt: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, help="where the test file goes, removed after (default: a new folder beside the repo)")
+    parser.add_argument(
+        "--folder", type=Path, help="where the test file goes, removed after (default: a new folder beside the repo)"
+    )
     parser.add_argument("--sizes", nargs="+", default=["1G", "256M"])
     parser.add_argument("--loops", type=int, default=7, help="interleaved rounds per size and direction")
     parser.add_argument("--sweep-size", default="256M", help="bytes per pass of the fio grid")
     parser.add_argument("--finalists", type=int, default=3, help="fio configurations rerun per direction")
     parser.add_argument("--sweep-repeats", type=int, default=3, help="reruns of each finalist per size")
-    parser.add_argument("--no-fio-hugepages", action="store_true",
-                        help="do not reserve huge pages for fio's buffers (the sweep then has malloc only)")
+    parser.add_argument(
+        "--no-fio-hugepages",
+        action="store_true",
+        help="do not reserve huge pages for fio's buffers (the sweep then has malloc only)",
+    )
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks/results/aio.json")
     return parser.parse_args()
 
@@ -351,8 +418,9 @@ def prepare_file(path: Path, size: int) -> None:
     handle.sync_pwrite(buffer, str(path))
 
 
-def measure_all(folder: Path, sizes: list[int], args: argparse.Namespace, flush: bool,
-                hugepages: bool) -> dict[str, Any]:
+def measure_all(
+    folder: Path, sizes: list[int], args: argparse.Namespace, flush: bool, hugepages: bool
+) -> dict[str, Any]:
     threads = thread_counts(os.cpu_count() or 1)
     deepspeed_module, deepspeed_note = load_deepspeed()
     if deepspeed_module is None:
@@ -377,8 +445,14 @@ def measure_all(folder: Path, sizes: list[int], args: argparse.Namespace, flush:
             rows.append(row)
             ratios = ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
             print(f"{format_size(size)} {row['op']}: {ratios}", flush=True)
-    return {"threads": threads, "fio_hugepages": hugepages, "sweep": sweep, "rows": rows, "load_average_1min": loads,
-            "deepspeed": deepspeed_note if deepspeed_module is None else f"DeepSpeed {deepspeed_note}"}
+    return {
+        "threads": threads,
+        "fio_hugepages": hugepages,
+        "sweep": sweep,
+        "rows": rows,
+        "load_average_1min": loads,
+        "deepspeed": deepspeed_note if deepspeed_module is None else f"DeepSpeed {deepspeed_note}",
+    }
 
 
 def main() -> None:
@@ -394,15 +468,21 @@ def main() -> None:
         print(f"warning: {folder} is on tmpfs, which has no O_DIRECT: numbers are memory copies", file=sys.stderr)
     info, fio = machine(folder), ensure_fio()
     flush = drop_page_cache()
-    print("cold reads: page cache dropped before every read pass" if flush else
-          "warm reads: cannot drop the page cache here (needs root); O_DIRECT still bypasses it")
+    print(
+        "cold reads: page cache dropped before every read pass"
+        if flush
+        else "warm reads: cannot drop the page cache here (needs root); O_DIRECT still bypasses it"
+    )
     started = datetime.datetime.now().isoformat(timespec="seconds")
     pages = 0 if args.no_fio_hugepages else MAX_FIO_IN_FLIGHT // HUGE_PAGE + 4 * max(SWEEP_JOBS)
     try:
         with reserved_huge_pages(pages) as hugepages:
             if not hugepages:
-                print("note: no huge pages reserved for fio (needs root, or --no-fio-hugepages): fio sweeps malloc "
-                      "buffers only", flush=True)
+                print(
+                    "note: no huge pages reserved for fio (needs root, or --no-fio-hugepages): fio sweeps malloc "
+                    "buffers only",
+                    flush=True,
+                )
             result = measure_all(folder, sizes, args, flush, hugepages)
     finally:
         if made_folder:

@@ -13,14 +13,16 @@ once measured; ratios are medians of per-round ratios. Before every load and col
 file's pages are dropped (fsync, then posix_fadvise DONTNEED) and fincore says whether they left:
 the table says whether loads were cold or warm. Every save is also traced per file (finiteness
 check, write, fsync, checksum in the writer's thread) to show where time goes; the table also gives both
-saves less their finiteness check (aminmax over every tensor). Also timed: checksum alone over the files (manifest.file_record) from the page
-cache, as the save reads them back, and from the disk, as a verifying load does. The machine's load
-average is recorded: on a shared machine the per-round ratios spread widely.
+saves less their finiteness check (aminmax over every tensor). Also timed: checksum alone over the
+files (manifest.file_record) from the page cache, as the save reads them back, and from the disk, as
+a verifying load does. The machine's load average is recorded: on a shared machine the per-round
+ratios spread widely.
 
 Prints a table and writes JSON (default benchmarks/results/checkpoint.json).
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -87,22 +89,32 @@ class Trace:
             result = function(target, *args, **kwargs)
             name = Path(target).name if isinstance(target, (str, Path)) else f"{len(target)} tensors"
             with self.lock:
-                self.events.append({"kind": kind, "file": name, "start": began, "end": time.perf_counter() - self.start})
+                self.events.append(
+                    {"kind": kind, "file": name, "start": began, "end": time.perf_counter() - self.start}
+                )
             return result
+
         return traced
 
     def summary(self, total_s: float, sizes: dict[str, int]) -> dict[str, Any]:
         """Seconds spent in each kind; `tail_s`: from the end of the last tensor write to the end
         of the save (the writer thread finishing the last file, then the manifest and rename)."""
+
         def spent(kind: str) -> float:
             return sum(e["end"] - e["start"] for e in self.events if e["kind"] == kind)
+
         writes = [e for e in self.events if e["kind"] == "write"]
         records = [e for e in self.events if e["kind"] == "record"]
         crc_bytes = sum(sizes.get(e["file"], 0) for e in records)
-        return {"check_s": spent("check"), "write_s": spent("write"), "fsync_s": spent("fsync"), "record_s": spent("record"),
-                "tail_s": total_s - max(e["end"] for e in writes),
-                "record_gbps": crc_bytes / spent("record") / 1e9 if spent("record") else None,
-                "events": sorted(self.events, key=lambda e: e["start"])}
+        return {
+            "check_s": spent("check"),
+            "write_s": spent("write"),
+            "fsync_s": spent("fsync"),
+            "record_s": spent("record"),
+            "tail_s": total_s - max(e["end"] for e in writes),
+            "record_gbps": crc_bytes / spent("record") / 1e9 if spent("record") else None,
+            "events": sorted(self.events, key=lambda e: e["start"]),
+        }
 
 
 @contextmanager
@@ -110,13 +122,18 @@ def traced_save(record: Callable[[Path], FileRecord]) -> Iterator[Trace]:
     """save.py's finiteness checks, writes, fsyncs and file records traced, and its file_record
     replaced by `record`."""
     trace = Trace()
-    with mock.patch.object(save_module, "first_nonfinite", trace.wrap("check", save_module.first_nonfinite)), \
-            mock.patch.object(save_module, "save_tensors", trace.wrap("write", save_module.save_tensors)), \
-            mock.patch.object(save_module, "save_rng_state", trace.wrap("write", save_module.save_rng_state)), \
-            mock.patch.object(save_module, "fsync_path", trace.wrap("fsync", save_module.fsync_path)), \
-            mock.patch.object(save_module, "file_record", trace.wrap("record", record)), \
-            mock.patch.object(save_module, "tensors_record", trace.wrap("record", tensors_record if record is file_record
-                                                                        else lambda path, tensors: record(path))):
+    with (
+        mock.patch.object(save_module, "first_nonfinite", trace.wrap("check", save_module.first_nonfinite)),
+        mock.patch.object(save_module, "save_tensors", trace.wrap("write", save_module.save_tensors)),
+        mock.patch.object(save_module, "save_rng_state", trace.wrap("write", save_module.save_rng_state)),
+        mock.patch.object(save_module, "fsync_path", trace.wrap("fsync", save_module.fsync_path)),
+        mock.patch.object(save_module, "file_record", trace.wrap("record", record)),
+        mock.patch.object(
+            save_module,
+            "tensors_record",
+            trace.wrap("record", tensors_record if record is file_record else lambda path, tensors: record(path)),
+        ),
+    ):
         yield trace
 
 
@@ -137,8 +154,9 @@ def drop_cached(folder: Path) -> float | None:
     if shutil.which("fincore") is None:
         return None
     files = [str(path) for path in checkpoint_files(folder)]
-    resident = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
-                              capture_output=True, text=True, check=True).stdout.split()
+    resident = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *files], capture_output=True, text=True, check=True
+    ).stdout.split()
     return sum(map(int, resident)) / sum(os.stat(path).st_size for path in files)
 
 
@@ -153,10 +171,8 @@ def settle_page_cache() -> None:
     where this process may (root), nothing clean to reclaim either, so that neither variant pays
     for what the other (or the loads and checksum passes after it) left behind."""
     os.sync()
-    try:
+    with contextlib.suppress(OSError):  # not root: the dirty pages at least are gone
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    except OSError:
-        pass  # not root: the dirty pages at least are gone
     time.sleep(1.0)
 
 
@@ -192,18 +208,32 @@ def measure(engine: Engine, folder: Path, rounds: int) -> list[dict[str, dict[st
             name = "crc" if with_crc else "nocrc"
             results[name] = run_variant(engine, folder, with_crc)
             r = results[name]
-            print(f"round {index} {name:>5}: save {r['save_s']:6.2f} s, load ({'verify' if with_crc else 'no verify'}) "
-                  f"{r['load_s']:6.2f} s" + (f", checksum alone warm {r['crc_warm_s']:.2f} s cold {r['crc_cold_s']:.2f} s"
-                                             if with_crc else ""), flush=True)
+            print(
+                f"round {index} {name:>5}: save {r['save_s']:6.2f} s, load ({'verify' if with_crc else 'no verify'}) "
+                f"{r['load_s']:6.2f} s"
+                + (f", checksum alone warm {r['crc_warm_s']:.2f} s cold {r['crc_cold_s']:.2f} s" if with_crc else ""),
+                flush=True,
+            )
         per_round.append(results)
     return per_round
 
 
-def row(name: str, times: list[float], size: int, ratios: list[float] | None = None, versus: str = "") -> dict[str, Any]:
+def row(
+    name: str, times: list[float], size: int, ratios: list[float] | None = None, versus: str = ""
+) -> dict[str, Any]:
     median = statistics.median(times)
-    return {"variant": name, "median_s": median, "min_s": min(times), "max_s": max(times), "gbps": size / median / 1e9,
-            "ratio": statistics.median(ratios) if ratios else None, "ratio_min": min(ratios) if ratios else None,
-            "ratio_max": max(ratios) if ratios else None, "versus": versus, "times_s": times}
+    return {
+        "variant": name,
+        "median_s": median,
+        "min_s": min(times),
+        "max_s": max(times),
+        "gbps": size / median / 1e9,
+        "ratio": statistics.median(ratios) if ratios else None,
+        "ratio_min": min(ratios) if ratios else None,
+        "ratio_max": max(ratios) if ratios else None,
+        "versus": versus,
+        "times_s": times,
+    }
 
 
 def summarise(per_round: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -219,17 +249,34 @@ def summarise(per_round: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]
     for run in crc + nocrc:  # the save less its finiteness check (aminmax over every tensor)
         run["save_unchecked_s"] = run["save_s"] - run["trace"]["check_s"]
     return [
-        row("save, checksum (Engine.save_checkpoint)", times(crc, "save_s"), size, ratios("save_s"), "save, no checksum"),
+        row(
+            "save, checksum (Engine.save_checkpoint)", times(crc, "save_s"), size, ratios("save_s"), "save, no checksum"
+        ),
         row("save, no checksum (file_record stubbed)", times(nocrc, "save_s"), size),
-        row("  same less finiteness check, checksum", times(crc, "save_unchecked_s"), size, ratios("save_unchecked_s"),
-            "same, no checksum"),
+        row(
+            "  same less finiteness check, checksum",
+            times(crc, "save_unchecked_s"),
+            size,
+            ratios("save_unchecked_s"),
+            "same, no checksum",
+        ),
         row("  same less finiteness check, no checksum", times(nocrc, "save_unchecked_s"), size),
         row("load, verify=True", times(crc, "load_s"), size, ratios("load_s"), "load, verify=False"),
         row("load, verify=False", times(nocrc, "load_s"), size),
-        row("checksum alone, page cache", times(crc, "crc_warm_s"), size,
-            [r["crc_warm_s"] / b["save_s"] for r, b in zip(crc, nocrc)], "save, no checksum"),
-        row("checksum alone, from disk", times(crc, "crc_cold_s"), size,
-            [r["crc_cold_s"] / b["load_s"] for r, b in zip(crc, nocrc)], "load, verify=False"),
+        row(
+            "checksum alone, page cache",
+            times(crc, "crc_warm_s"),
+            size,
+            [r["crc_warm_s"] / b["save_s"] for r, b in zip(crc, nocrc)],
+            "save, no checksum",
+        ),
+        row(
+            "checksum alone, from disk",
+            times(crc, "crc_cold_s"),
+            size,
+            [r["crc_cold_s"] / b["load_s"] for r, b in zip(crc, nocrc)],
+            "load, verify=False",
+        ),
     ]
 
 
@@ -239,19 +286,28 @@ def print_table(rows: list[dict[str, Any]], cold: str) -> None:
         ratio = f"{r['ratio']:6.3f} {r['ratio_min']:5.3f}-{r['ratio_max']:.3f}  {r['versus']}" if r["ratio"] else ""
         print(f"{r['variant']:<40} {r['median_s']:8.2f} {r['min_s']:7.2f} {r['max_s']:7.2f} {r['gbps']:6.2f} {ratio}")
     for r, what in ((rows[0], "save"), (rows[2], "save less its finiteness check")):
-        print(f"{what} with / without checksum: {r['ratio']:.3f} (target <= {TARGET}): {'ok' if r['ratio'] <= TARGET else 'SLOW'}")
+        print(
+            f"{what} with / without checksum: {r['ratio']:.3f} (target <= {TARGET}): {'ok' if r['ratio'] <= TARGET else 'SLOW'}"
+        )
     print(f"loads were {cold}")
 
 
 def print_trace(per_round: list[dict[str, dict[str, Any]]]) -> None:
-    print(f"\n{'save':>6} {'check s':>8} {'write s':>8} {'fsync s':>8} {'record s':>9} {'record GB/s':>12} {'tail s':>7}"
-          "   (medians; check = first_nonfinite; record = file_record in the writer thread; tail = after the last tensor write)")
+    print(
+        f"\n{'save':>6} {'check s':>8} {'write s':>8} {'fsync s':>8} {'record s':>9} {'record GB/s':>12} {'tail s':>7}"
+        "   (medians; check = first_nonfinite; record = file_record in the writer thread; tail = after the last tensor write)"
+    )
     for name in ("crc", "nocrc"):
         traces = [r[name]["trace"] for r in per_round]
-        cell = {key: statistics.median(t[key] for t in traces) for key in ("check_s", "write_s", "fsync_s", "record_s", "tail_s")}
+        cell = {
+            key: statistics.median(t[key] for t in traces)
+            for key in ("check_s", "write_s", "fsync_s", "record_s", "tail_s")
+        }
         gbps = f"{statistics.median(t['record_gbps'] for t in traces):12.2f}" if name == "crc" else f"{'-':>12}"
-        print(f"{name:>6} {cell['check_s']:8.2f} {cell['write_s']:8.2f} {cell['fsync_s']:8.2f} {cell['record_s']:9.2f} "
-              f"{gbps} {cell['tail_s']:7.2f}")
+        print(
+            f"{name:>6} {cell['check_s']:8.2f} {cell['write_s']:8.2f} {cell['fsync_s']:8.2f} {cell['record_s']:9.2f} "
+            f"{gbps} {cell['tail_s']:7.2f}"
+        )
     print("one save (first round, checksum), per file: start-end s")
     for event in per_round[0]["crc"]["trace"]["events"]:
         print(f"  {event['kind']:>6} {event['file']:<32} {event['start']:6.2f}-{event['end']:6.2f}")
@@ -262,8 +318,9 @@ def cold_description(per_round: list[dict[str, dict[str, Any]]]) -> tuple[str, f
     if None in resident:
         return "cold as far as posix_fadvise(DONTNEED) goes (fincore missing: not checked)", None
     most = max(resident)
-    return ("cold (page cache dropped, fincore: " if most < 0.01 else "warm (page cache NOT dropped, fincore: ") + \
-        f"at most {100 * most:.1f}% resident before a load)", most
+    return (
+        "cold (page cache dropped, fincore: " if most < 0.01 else "warm (page cache NOT dropped, fincore: "
+    ) + f"at most {100 * most:.1f}% resident before a load)", most
 
 
 def default_folder() -> Path:
@@ -276,7 +333,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=parse_count, default=200_000_000, help="model size, e.g. 200M (default)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each variant once per round")
-    parser.add_argument("--dir", type=Path, help="folder for the checkpoints (default: a fresh temp dir on the local disk)")
+    parser.add_argument(
+        "--dir", type=Path, help="folder for the checkpoints (default: a fresh temp dir on the local disk)"
+    )
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks/results/checkpoint.json")
     args = parser.parse_args()
     folder = args.dir or default_folder()
@@ -284,8 +343,10 @@ def main() -> None:
     started, machine_info, load_before = time.perf_counter(), machine(folder), os.getloadavg()
     engine, hidden = build_engine(args.params)
     parameters = sum(p.numel() for p in engine.module.parameters())
-    print(f"{LAYERS} x Linear({hidden}, {hidden}): {parameters:,} fp32 parameters, AdamW after one step; "
-          f"checkpoints in {folder} ({fs_type(folder)}), {torch.get_num_threads()} torch threads")
+    print(
+        f"{LAYERS} x Linear({hidden}, {hidden}): {parameters:,} fp32 parameters, AdamW after one step; "
+        f"checkpoints in {folder} ({fs_type(folder)}), {torch.get_num_threads()} torch threads"
+    )
     try:
         per_round = measure(engine, folder, args.rounds)
     finally:
@@ -297,17 +358,35 @@ def main() -> None:
     print_trace(per_round)
     size = per_round[0]["crc"]["bytes"]
     io_s = statistics.median(r["nocrc"]["trace"]["write_s"] + r["nocrc"]["trace"]["fsync_s"] for r in per_round)
-    print(f"checkpoint {size:,} bytes in {len(per_round[0]['crc']['files'])} files; implied disk write throughput: "
-          f"{rows[1]['gbps']:.2f} GB/s for the whole save without checksum, {size / io_s / 1e9:.2f} GB/s for its writes and "
-          f"fsyncs alone; run took {time.perf_counter() - started:.0f} s; load average {load_before[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)")
-    report = {**machine_info, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "torch_threads": torch.get_num_threads(),
-              "load_average_before_after": [load_before[0], os.getloadavg()[0]], "parameters": parameters, "layers": LAYERS, "hidden": hidden,
-              "runtime_config": RUNTIME, "checkpoint_bytes": size, "files": per_round[0]["crc"]["files"],
-              "rounds": args.rounds, "loads": cold, "max_resident_before_load": resident, "target_save_ratio": TARGET,
-              "save_ratio": rows[0]["ratio"], "save_unchecked_ratio": rows[2]["ratio"], "load_ratio": rows[4]["ratio"],
-              "write_fsync_gbps": size / io_s / 1e9, "rows": rows, "per_round": per_round}
+    print(
+        f"checkpoint {size:,} bytes in {len(per_round[0]['crc']['files'])} files; implied disk write throughput: "
+        f"{rows[1]['gbps']:.2f} GB/s for the whole save without checksum, {size / io_s / 1e9:.2f} GB/s for its writes and "
+        f"fsyncs alone; run took {time.perf_counter() - started:.0f} s; load average {load_before[0]:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)"
+    )
+    report = {
+        **machine_info,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
+        "parameters": parameters,
+        "layers": LAYERS,
+        "hidden": hidden,
+        "runtime_config": RUNTIME,
+        "checkpoint_bytes": size,
+        "files": per_round[0]["crc"]["files"],
+        "rounds": args.rounds,
+        "loads": cold,
+        "max_resident_before_load": resident,
+        "target_save_ratio": TARGET,
+        "save_ratio": rows[0]["ratio"],
+        "save_unchecked_ratio": rows[2]["ratio"],
+        "load_ratio": rows[4]["ratio"],
+        "write_fsync_gbps": size / io_s / 1e9,
+        "rows": rows,
+        "per_round": per_round,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

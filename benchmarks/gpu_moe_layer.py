@@ -11,8 +11,7 @@ from unittest import mock
 
 import torch
 
-from megatron.model.moe import MoEConfig, MoELayer
-from megatron.model.moe import grouped_gemm
+from megatron.model.moe import MoEConfig, MoELayer, grouped_gemm
 
 
 def time_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, steps: int, device: torch.device) -> float:
@@ -51,21 +50,32 @@ def main() -> None:
     h, f = args.hidden, 4 * args.hidden
     torch.manual_seed(0)
     layer = MoELayer(h, f, args.experts, MoEConfig(topk=args.topk), init_std=0.02, output_init_std=0.01).to(device)
-    dense = torch.nn.Sequential(torch.nn.Linear(h, args.topk * f), torch.nn.GELU(), torch.nn.Linear(args.topk * f, h)).to(device)
+    dense = torch.nn.Sequential(
+        torch.nn.Linear(h, args.topk * f), torch.nn.GELU(), torch.nn.Linear(args.topk * f, h)
+    ).to(device)
     x = torch.randn(1, args.tokens, h, device=device, requires_grad=True)
     grad = torch.randn(1, args.tokens, h, device=device)
-    rows = {"grouped": time_step(layer, x, grad, args.steps, device),
-            "dense": time_step(dense, x, grad, args.steps, device)}
+    rows = {
+        "grouped": time_step(layer, x, grad, args.steps, device),
+        "dense": time_step(dense, x, grad, args.steps, device),
+    }
     with mock.patch.object(grouped_gemm, "grouped_mm_runs", return_value=False):
         rows["fallback"] = time_step(layer, x, grad, args.steps, device)
     runs = grouped_gemm.grouped_mm_runs(device.type, torch.bfloat16, h, f)
-    print(f"bf16 MoE layer, h {h}, E {args.experts}, top-{args.topk}, {args.tokens} tokens on {device}; "
-          f"torch._grouped_mm runs here: {runs}")
+    print(
+        f"bf16 MoE layer, h {h}, E {args.experts}, top-{args.topk}, {args.tokens} tokens on {device}; "
+        f"torch._grouped_mm runs here: {runs}"
+    )
     print(f"{'implementation':16} {'ms':>8} {'x dense':>8}")
     for name, ms in rows.items():
         print(f"{name:16} {ms:8.2f} {ms / rows['dense']:8.2f}")
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
-              "args": vars(args), "grouped_mm_runs": runs, "ms": rows}
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+        "grouped_mm_runs": runs,
+        "ms": rows,
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
 

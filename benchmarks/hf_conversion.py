@@ -34,10 +34,15 @@ def layer_tensors(index: int) -> dict:
     head_dim = HIDDEN // HEADS
     prefix = f"model.layers.{index}."
     shapes = {
-        "self_attn.q_proj.weight": (HIDDEN, HIDDEN), "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-        "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN), "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-        "mlp.gate_proj.weight": (FFN, HIDDEN), "mlp.up_proj.weight": (FFN, HIDDEN), "mlp.down_proj.weight": (HIDDEN, FFN),
-        "input_layernorm.weight": (HIDDEN,), "post_attention_layernorm.weight": (HIDDEN,),
+        "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+        "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
+        "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
+        "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+        "mlp.gate_proj.weight": (FFN, HIDDEN),
+        "mlp.up_proj.weight": (FFN, HIDDEN),
+        "mlp.down_proj.weight": (HIDDEN, FFN),
+        "input_layernorm.weight": (HIDDEN,),
+        "post_attention_layernorm.weight": (HIDDEN,),
     }
     return {prefix + name: torch.randn(shape) * 0.02 for name, shape in shapes.items()}
 
@@ -48,11 +53,24 @@ def write_hf_model(folder: Path, layers: int) -> int:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": FFN, "num_hidden_layers": layers, "num_attention_heads": HEADS,
-              "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB, "max_position_embeddings": 2048,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
-              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     shards = [{"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN) * 0.02}]
     shards += [layer_tensors(i) for i in range(layers)]
@@ -63,8 +81,9 @@ def write_hf_model(folder: Path, layers: int) -> int:
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         weight_map.update({key: name for key in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -114,16 +133,23 @@ def main() -> None:
     # stays small (no torch, no tensors) and a child writes the model folder
     shutil.rmtree(args.work_dir, ignore_errors=True)
     hf = args.work_dir / "hf"
-    written = subprocess.run([sys.executable, "-m", "benchmarks.hf_conversion", "--write-hf", str(hf),
-                              "--layers", str(args.layers)], capture_output=True, text=True, check=True)
+    written = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hf_conversion", "--write-hf", str(hf), "--layers", str(args.layers)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     total = int(written.stdout.split()[-1])
     parameters = total // 4
     print(f"Hugging Face Llama folder: {parameters / 1e9:.2f}B parameters, {total / 1e9:.2f} GB of fp32 weights")
     cases = {
         "copy (reference)": lambda r: copy_folder(hf, args.work_dir / f"copy{r}"),
-        "--from hf (HF -> ours)": lambda r: convert(["--from", "hf", "--load", str(hf), "--save", str(args.work_dir / f"ours{r}")]),
-        "--to hf (ours -> HF)": lambda r: convert(["--to", "hf", "--load", str(args.work_dir / f"ours{r}"),
-                                                   "--save", str(args.work_dir / f"back{r}")]),
+        "--from hf (HF -> ours)": lambda r: convert(
+            ["--from", "hf", "--load", str(hf), "--save", str(args.work_dir / f"ours{r}")]
+        ),
+        "--to hf (ours -> HF)": lambda r: convert(
+            ["--to", "hf", "--load", str(args.work_dir / f"ours{r}"), "--save", str(args.work_dir / f"back{r}")]
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     peaks: dict[str, float] = {}
@@ -146,19 +172,35 @@ def main() -> None:
     print(f"\n{'case':<26} {'s (median)':>10} {'GB/s':>7} {'x copy':>7}")
     for row in rows:
         print(f"{row['case']:<26} {row['seconds']:>10.2f} {row['gb_per_s']:>7.2f} {row['of_copy']:>7.2f}")
-    print("peak RSS (GiB): " + ", ".join(f"{name} {peak:.2f}" for name, peak in peaks.items())
-          + f"; page cache dropped: {dropped}")
+    print(
+        "peak RSS (GiB): "
+        + ", ".join(f"{name} {peak:.2f}" for name, peak in peaks.items())
+        + f"; page cache dropped: {dropped}"
+    )
     import torch
 
     from benchmarks.moe_layer import cpu_name
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": cpu_name(), "platform": platform.platform(),
-        "torch": torch.__version__, "load_average": os.getloadavg(), "parameters": parameters, "bytes": total,
-        "rounds": args.rounds, "page_cache_dropped": dropped, "peak_rss_gib": peaks,
-        "rows": rows, "times": times,
-    }, indent=1))
+    args.json.write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": cpu_name(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "load_average": os.getloadavg(),
+                "parameters": parameters,
+                "bytes": total,
+                "rounds": args.rounds,
+                "page_cache_dropped": dropped,
+                "peak_rss_gib": peaks,
+                "rows": rows,
+                "times": times,
+            },
+            indent=1,
+        )
+    )
     shutil.rmtree(args.work_dir, ignore_errors=True)
 
 

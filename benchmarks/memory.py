@@ -41,9 +41,22 @@ from tools.build_demo_corpus import stdlib_sources
 
 VARIANTS = ("moe", "moe-unpadded", "dense")
 # the tiny CPU recipe (examples_deepspeed/MoE/ds_pretrain_gpt_tiny_MoE_cpu.sh) with the demo's vocabulary size
-SHAPE = dict(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
-             micro_batch_size=8, global_batch_size=8, vocab_size=4000, lr=2e-3, min_lr=2e-4, lr_warmup_iters=10,
-             hidden_dropout=0.0, attention_dropout=0.0, num_workers=0)
+SHAPE = dict(
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=128,
+    max_position_embeddings=128,
+    micro_batch_size=8,
+    global_batch_size=8,
+    vocab_size=4000,
+    lr=2e-3,
+    min_lr=2e-4,
+    lr_warmup_iters=10,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    num_workers=0,
+)
 MOE = dict(num_experts=8, expert_interval=2, topk=1, moe_train_capacity_factor=1.0, moe_min_capacity=4)
 MONITOR_INTERVAL = 10
 STEADY_FROM = 100  # iteration from which step times count and against which growth is measured
@@ -105,9 +118,16 @@ def summarise(variant: str, runs: list[dict[str, list[float]]]) -> dict:
     rss = [statistics.median(values) for values in zip(*mib)]
     base = rss[min(STEADY_FROM, len(rss)) - 1]
     steady = [statistics.median(run["step_s"][STEADY_FROM:] or run["step_s"]) for run in runs]
-    return {"variant": variant, "rss_mib": rss, "rss_at_base_mib": base, "rss_end_mib": rss[-1],
-            "end_over_base": rss[-1] / base, "max_over_base": max(rss[STEADY_FROM - 1:] or rss) / base,
-            "step_ms_per_round": [1000 * s for s in steady], "step_ms": 1000 * statistics.median(steady)}
+    return {
+        "variant": variant,
+        "rss_mib": rss,
+        "rss_at_base_mib": base,
+        "rss_end_mib": rss[-1],
+        "end_over_base": rss[-1] / base,
+        "max_over_base": max(rss[STEADY_FROM - 1 :] or rss) / base,
+        "step_ms_per_round": [1000 * s for s in steady],
+        "step_ms": 1000 * statistics.median(steady),
+    }
 
 
 def step_ratio(rows: dict[str, dict], numerator: str, denominator: str) -> float | None:
@@ -154,14 +174,22 @@ def main() -> None:
                 print(f"round {round_number}/{args.rounds}: {name} done", file=sys.stderr, flush=True)
     rows = {name: summarise(name, variant_runs) for name, variant_runs in runs.items()}
     ratio = step_ratio(rows, "moe", "moe-unpadded")
-    print(f"tiny GPT {SHAPE['num_layers']}x{SHAPE['hidden_size']}, MoE {MOE['num_experts']} experts every other "
-          f"layer top-{MOE['topk']}, {torch.get_num_threads()} threads, {args.rounds} round(s)")
+    print(
+        f"tiny GPT {SHAPE['num_layers']}x{SHAPE['hidden_size']}, MoE {MOE['num_experts']} experts every other "
+        f"layer top-{MOE['topk']}, {torch.get_num_threads()} threads, {args.rounds} round(s)"
+    )
     print_table(rows, args.iterations, ratio)
-    report = {"machine": platform.machine(), "processor": cpu_name(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-              "args": {k: v for k, v in vars(args).items() if k != "child"},
-              "step_ms_moe_over_unpadded": ratio, "rows": rows,
-              "runs": {name: [run["rss_bytes"] for run in variant_runs] for name, variant_runs in runs.items()}}
+    report = {
+        "machine": platform.machine(),
+        "processor": cpu_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        "args": {k: v for k, v in vars(args).items() if k != "child"},
+        "step_ms_moe_over_unpadded": ratio,
+        "rows": rows,
+        "runs": {name: [run["rss_bytes"] for run in variant_runs] for name, variant_runs in runs.items()},
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

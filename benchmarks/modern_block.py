@@ -72,9 +72,15 @@ QUICK_GRID = [Case(256, 8, 256, 4)]
 def classic_config(case: Case, drop_tokens: bool) -> GPTConfig:
     """One MoE layer of the 2021 recipe. No vocabulary: the block is all that model_size counts here."""
     return GPTConfig(
-        num_layers=1, hidden_size=case.hidden, num_attention_heads=case.hidden // HEAD_DIM, vocab_size=0,
-        max_position_embeddings=case.seq, hidden_dropout=0.0, attention_dropout=0.0,
-        num_experts=(case.experts,), expert_interval=1,
+        num_layers=1,
+        hidden_size=case.hidden,
+        num_attention_heads=case.hidden // HEAD_DIM,
+        vocab_size=0,
+        max_position_embeddings=case.seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_experts=(case.experts,),
+        expert_interval=1,
         moe=MoEConfig(topk=CLASSIC_TOPK, drop_tokens=drop_tokens),
     )
 
@@ -82,9 +88,15 @@ def classic_config(case: Case, drop_tokens: bool) -> GPTConfig:
 def modern_config(case: Case, drop_tokens: bool, ffn: int) -> GPTConfig:
     heads = case.hidden // HEAD_DIM
     return replace(
-        classic_config(case, drop_tokens), normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-        num_query_groups=heads // HEADS_PER_KV_HEAD, position_embedding_type="rope",
-        num_experts=(GRANULARITY * case.experts,), moe_ffn_hidden_size=ffn, moe_shared_expert_intermediate_size=ffn,
+        classic_config(case, drop_tokens),
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        num_query_groups=heads // HEADS_PER_KV_HEAD,
+        position_embedding_type="rope",
+        num_experts=(GRANULARITY * case.experts,),
+        moe_ffn_hidden_size=ffn,
+        moe_shared_expert_intermediate_size=ffn,
         moe=MoEConfig(topk=GRANULARITY * CLASSIC_TOPK, drop_tokens=drop_tokens),
     )
 
@@ -100,16 +112,21 @@ def matching_ffn(case: Case, drop_tokens: bool) -> int:
     target = block_params(classic_config(case, drop_tokens))
     low, high = (block_params(modern_config(case, drop_tokens, f)) for f in (8, 16))
     exact = 8 + 8 * (target - low) / (high - low)
-    return min((8 * round(exact / 8) + d for d in (-8, 0, 8)),
-               key=lambda f: abs(block_params(modern_config(case, drop_tokens, f)) - target))
+    return min(
+        (8 * round(exact / 8) + d for d in (-8, 0, 8)),
+        key=lambda f: abs(block_params(modern_config(case, drop_tokens, f)) - target),
+    )
 
 
 def block_size(config: GPTConfig, seq: int) -> dict[str, float]:
     """Total and active parameters and training FLOPs per token of the one block: model_size's,
     less what lies outside the layers (learned positions, final norm; the vocabulary is empty)."""
     size, params = model_size(config, seq), block_params(config)
-    return {"params": params, "active_params": size.active - (size.total - params),
-            "flops_per_token": size.flops_per_token}
+    return {
+        "params": params,
+        "active_params": size.active - (size.total - params),
+        "flops_per_token": size.flops_per_token,
+    }
 
 
 class WithPositions(nn.Module):
@@ -149,35 +166,49 @@ def time_case(case: Case, drop_tokens: bool, rounds: int, warmup: int) -> dict[s
             start = time.perf_counter()
             step(blocks[name], x, grad)
             times[name].append(time.perf_counter() - start)
-    row: dict[str, Any] = {**case._asdict(), "tokens": case.tokens, "threads": torch.get_num_threads(),
-                           "modern_expert_ffn": ffn, "modern_experts": GRANULARITY * case.experts}
+    row: dict[str, Any] = {
+        **case._asdict(),
+        "tokens": case.tokens,
+        "threads": torch.get_num_threads(),
+        "modern_expert_ffn": ffn,
+        "modern_experts": GRANULARITY * case.experts,
+    }
     for name in BLOCKS:
         seconds = statistics.median(times[name])
         size = block_size(configs[name], case.seq)
-        row[name] = {**size, "ms": 1000 * seconds, "ms_per_round": [1000 * t for t in times[name]],
-                     "tokens_per_s": case.tokens / seconds,
-                     "gflops": size["flops_per_token"] * case.tokens / seconds / 1e9}
+        row[name] = {
+            **size,
+            "ms": 1000 * seconds,
+            "ms_per_round": [1000 * t for t in times[name]],
+            "tokens_per_s": case.tokens / seconds,
+            "gflops": size["flops_per_token"] * case.tokens / seconds / 1e9,
+        }
     row["params_modern_over_classic"] = row["modern"]["params"] / row["classic"]["params"]
     row["modern_over_classic"] = median_ratio(times["modern"], times["classic"])
     # the time ratio over the FLOPs ratio: above 1, the modern block runs at lower GFLOP/s
-    row["modern_over_classic_per_flop"] = (row["modern_over_classic"]["median"] * row["classic"]["flops_per_token"]
-                                           / row["modern"]["flops_per_token"])
+    row["modern_over_classic_per_flop"] = (
+        row["modern_over_classic"]["median"] * row["classic"]["flops_per_token"] / row["modern"]["flops_per_token"]
+    )
     return row
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'thr':>3} {'H':>5} {'E':>3} {'2E':>3} {'F':>5} {'B x S':>9} {'params M':>8} {'par m/c':>7}"
-          f" {'active M c/m':>13} {'GFLOP/tok c/m':>13} {'classic ms':>10} {'modern ms':>9} {'m/c':>5} {'range':>11}"
-          f" {'per FLOP':>8} {'tok/s c/m':>11} {'GFLOP/s c/m':>11}")
+    print(
+        f"{'thr':>3} {'H':>5} {'E':>3} {'2E':>3} {'F':>5} {'B x S':>9} {'params M':>8} {'par m/c':>7}"
+        f" {'active M c/m':>13} {'GFLOP/tok c/m':>13} {'classic ms':>10} {'modern ms':>9} {'m/c':>5} {'range':>11}"
+        f" {'per FLOP':>8} {'tok/s c/m':>11} {'GFLOP/s c/m':>11}"
+    )
     for r in rows:
         c, m, ratio = r["classic"], r["modern"], r["modern_over_classic"]
-        print(f"{r['threads']:3} {r['hidden']:5} {r['experts']:3} {r['modern_experts']:3} {r['modern_expert_ffn']:5}"
-              f" {r['batch']:>3} x {r['seq']:<4} {c['params'] / 1e6:8.2f} {r['params_modern_over_classic']:7.4f}"
-              f" {c['active_params'] / 1e6:6.2f}/{m['active_params'] / 1e6:<6.2f}"
-              f" {c['flops_per_token'] / 1e9:6.3f}/{m['flops_per_token'] / 1e9:<6.3f}"
-              f" {c['ms']:10.1f} {m['ms']:9.1f} {ratio['median']:5.2f}"
-              f" {ratio['range'][0]:5.2f}-{ratio['range'][1]:<5.2f} {r['modern_over_classic_per_flop']:8.2f}"
-              f" {c['tokens_per_s']:5.0f}/{m['tokens_per_s']:<5.0f} {c['gflops']:5.1f}/{m['gflops']:<5.1f}")
+        print(
+            f"{r['threads']:3} {r['hidden']:5} {r['experts']:3} {r['modern_experts']:3} {r['modern_expert_ffn']:5}"
+            f" {r['batch']:>3} x {r['seq']:<4} {c['params'] / 1e6:8.2f} {r['params_modern_over_classic']:7.4f}"
+            f" {c['active_params'] / 1e6:6.2f}/{m['active_params'] / 1e6:<6.2f}"
+            f" {c['flops_per_token'] / 1e9:6.3f}/{m['flops_per_token'] / 1e9:<6.3f}"
+            f" {c['ms']:10.1f} {m['ms']:9.1f} {ratio['median']:5.2f}"
+            f" {ratio['range'][0]:5.2f}-{ratio['range'][1]:<5.2f} {r['modern_over_classic_per_flop']:8.2f}"
+            f" {c['tokens_per_s']:5.0f}/{m['tokens_per_s']:<5.0f} {c['gflops']:5.1f}/{m['gflops']:<5.1f}"
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -186,8 +217,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-experts", type=int, nargs="*", help="grid of the classic block's E")
     parser.add_argument("--seq", type=int, nargs="*", help="grid of S")
     parser.add_argument("--batch", type=int, nargs="*", help="grid of B")
-    parser.add_argument("--drop-tokens", action="store_true",
-                        help="capacity factor 1.0 in both blocks (default: dropless)")
+    parser.add_argument(
+        "--drop-tokens", action="store_true", help="capacity factor 1.0 in both blocks (default: dropless)"
+    )
     parser.add_argument("--threads", type=int, nargs="*", help="torch thread counts to run in turn (default: torch's)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds, one step of each block per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each block first")
@@ -201,15 +233,22 @@ def grid_of(args: argparse.Namespace) -> list[Case]:
         return QUICK_GRID
     if all(v is None for v in (args.hidden, args.num_experts, args.seq, args.batch)):
         return DEFAULT_GRID
-    return [Case(h, e, s, b) for h in args.hidden or [512] for e in args.num_experts or [8]
-            for s in args.seq or [512] for b in args.batch or [8]]
+    return [
+        Case(h, e, s, b)
+        for h in args.hidden or [512]
+        for e in args.num_experts or [8]
+        for s in args.seq or [512]
+        for b in args.batch or [8]
+    ]
 
 
 def checked_load(when: str) -> float:
     load = os.getloadavg()[0]
     if load > LOAD_LIMIT:
-        print(f"note: load average {load:.2f} {when}, above {LOAD_LIMIT}: other work may have disturbed the times",
-              file=sys.stderr)
+        print(
+            f"note: load average {load:.2f} {when}, above {LOAD_LIMIT}: other work may have disturbed the times",
+            file=sys.stderr,
+        )
     return load
 
 
@@ -223,18 +262,28 @@ def main() -> None:
             rows.append(time_case(case, args.drop_tokens, args.rounds, args.warmup))
             print(f"timed {n}/{len(grid)} at {threads} threads: {case}", file=sys.stderr, flush=True)
         loads.append({"threads": threads, "before": before, "after": checked_load(f"after the {threads}-thread runs")})
-    print(f"fp32 forward+backward of one MoE block, median of {args.rounds} interleaved rounds, routing "
-          f"{'capacity factor 1.0' if args.drop_tokens else 'dropless'}; c classic (top-{CLASSIC_TOPK} of E GELU experts"
-          f" 4H wide), m modern (top-{GRANULARITY * CLASSIC_TOPK} of 2E SwiGLU experts F wide + 1 shared); m/c the median"
-          " of per-round ratios, per FLOP that over the ratio of FLOPs per token; load average before-after "
-          + ", ".join(f"{l['before']:.2f}-{l['after']:.2f}" for l in loads))
+    print(
+        f"fp32 forward+backward of one MoE block, median of {args.rounds} interleaved rounds, routing "
+        f"{'capacity factor 1.0' if args.drop_tokens else 'dropless'}; c classic (top-{CLASSIC_TOPK} of E GELU experts"
+        f" 4H wide), m modern (top-{GRANULARITY * CLASSIC_TOPK} of 2E SwiGLU experts F wide + 1 shared); m/c the median"
+        " of per-round ratios, per FLOP that over the ratio of FLOPs per token; load average before-after "
+        + ", ".join(f"{load['before']:.2f}-{load['after']:.2f}" for load in loads)
+    )
     print_table(rows)
     elapsed = time.perf_counter() - started
     print(f"took {elapsed:.0f} s")
     output = Path(args.output or f"benchmarks/results/modern_block{'_quick' if args.quick else ''}.json")
-    report = {"machine": platform.machine(), "processor": cpu_name(), "cpus": os.cpu_count(),
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "load_average": loads,
-              "elapsed_s": elapsed, "args": vars(args), "rows": rows}
+    report = {
+        "machine": platform.machine(),
+        "processor": cpu_name(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "load_average": loads,
+        "elapsed_s": elapsed,
+        "args": vars(args),
+        "rows": rows,
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=1))
     print(f"wrote {output}")

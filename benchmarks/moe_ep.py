@@ -47,7 +47,15 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.moe_layer import (
-    Case, assert_same, build_deepspeed, build_ours, cpu_name, deepspeed_version, moe_config, start_deepspeed, step,
+    Case,
+    assert_same,
+    build_deepspeed,
+    build_ours,
+    cpu_name,
+    deepspeed_version,
+    moe_config,
+    start_deepspeed,
+    step,
 )
 from megatron.parallel import build_parallel_grid
 
@@ -58,15 +66,22 @@ COLLECTIVES = ("all_to_all_single", "all_reduce")
 
 
 DEFAULT_GRID = [
-    Case(512, 8, 1, 4096, True), Case(512, 16, 1, 4096, True), Case(512, 64, 1, 4096, True),
-    Case(512, 16, 2, 4096, True), Case(512, 64, 2, 4096, True), Case(1024, 16, 1, 4096, True),
-    Case(512, 16, 1, 2048, True), Case(512, 16, 1, 16384, True),
-    Case(512, 16, 1, 4096, False), Case(512, 16, 2, 4096, False),
+    Case(512, 8, 1, 4096, True),
+    Case(512, 16, 1, 4096, True),
+    Case(512, 64, 1, 4096, True),
+    Case(512, 16, 2, 4096, True),
+    Case(512, 64, 2, 4096, True),
+    Case(1024, 16, 1, 4096, True),
+    Case(512, 16, 1, 2048, True),
+    Case(512, 16, 1, 16384, True),
+    Case(512, 16, 1, 4096, False),
+    Case(512, 16, 2, 4096, False),
 ]
 QUICK_GRID = [Case(256, 8, 1, 1024, True), Case(256, 16, 2, 1024, False)]
 
 
 # ---------------------------------------------------------------- inputs
+
 
 def inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's input [1, S, H] (it needs a gradient, as inside a model) and output gradient."""
@@ -76,6 +91,7 @@ def inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- instrumented steps
+
 
 class Timeline:
     """Phase times of one instrumented step on this rank: module hooks time the router's forward
@@ -137,6 +153,7 @@ class Timeline:
                 return _TimedWork(result, self, phase)
             self.blocking.append((entry, self.last_seconds()))
             return result
+
         return timed
 
 
@@ -172,8 +189,9 @@ def instrumented(timeline: Timeline, router: nn.Module, experts: nn.Module) -> I
 def profile_step(impl: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
     """Seconds per phase of one step on this rank, with `wait` (inside collectives, until the
     other rank arrived) and `step`, plus `rows` the experts computed here."""
-    router, experts = ((layer.router, layer.experts) if impl == "ours"
-                       else (layer.deepspeed_moe.gate, layer.deepspeed_moe.experts))
+    router, experts = (
+        (layer.router, layer.experts) if impl == "ours" else (layer.deepspeed_moe.gate, layer.deepspeed_moe.experts)
+    )
     timeline = Timeline()
     dist.barrier()
     with instrumented(timeline, router, experts):
@@ -196,22 +214,24 @@ def profile_step(impl: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tenso
 
 # ---------------------------------------------------------------- one case on one rank
 
+
 def time_case(case: Case, rank: int, ep_group: dist.ProcessGroup, deepspeed: Any, opts: argparse.Namespace) -> dict:
     ours = build_ours(case, moe_config(case, deterministic=False), ep_group)
     layers: dict[str, nn.Module] = {"ours": ours}
     if deepspeed is not None:
         check_config = moe_config(case, deterministic=True)
         check_ours = build_ours(case, check_config, ep_group)
-        assert_same(check_ours, build_deepspeed(check_ours, check_config, EP_SIZE), *inputs(case, rank),
-                    f"{case} rank {rank}")
+        assert_same(
+            check_ours, build_deepspeed(check_ours, check_config, EP_SIZE), *inputs(case, rank), f"{case} rank {rank}"
+        )
         layers["deepspeed"] = build_deepspeed(ours, moe_config(case, deterministic=False), EP_SIZE)
     x, grad = inputs(case, rank)
-    for impl, layer in layers.items():
+    for layer in layers.values():
         for _ in range(opts.warmup):
             step(layer, x, grad)
     times: dict[str, list[float]] = {impl: [] for impl in layers}
     for r in range(opts.rounds):
-        for impl in (list(layers) if r % 2 == 0 else list(layers)[::-1]):  # alternate who goes first
+        for impl in list(layers) if r % 2 == 0 else list(layers)[::-1]:  # alternate who goes first
             dist.barrier()
             start = time.perf_counter()
             for _ in range(opts.steps):
@@ -225,8 +245,11 @@ def time_case(case: Case, rank: int, ep_group: dist.ProcessGroup, deepspeed: Any
         row[f"{impl}_phases"] = {key: statistics.median(p[key] for p in profiles) for key in profiles[0]}
     if deepspeed is not None:
         ratios = [o / d for o, d in zip(times["ours"], times["deepspeed"])]
-        row.update(deepspeed_ms=1000 * statistics.median(times["deepspeed"]),
-                   ours_over_deepspeed=statistics.median(ratios), ours_over_deepspeed_range=[min(ratios), max(ratios)])
+        row.update(
+            deepspeed_ms=1000 * statistics.median(times["deepspeed"]),
+            ours_over_deepspeed=statistics.median(ratios),
+            ours_over_deepspeed_range=[min(ratios), max(ratios)],
+        )
     return row
 
 
@@ -246,8 +269,9 @@ def load_deepspeed(want: bool) -> Any:
 
 
 def rank_main(rank: int, port: int, grid: list[Case], opts: argparse.Namespace, with_deepspeed: bool, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(EP_SIZE))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(EP_SIZE)
+    )
     torch.set_num_threads(1)
     grid_of_ranks = build_parallel_grid(torch.device("cpu"), ep_size=EP_SIZE)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's log lines stay out of the table
@@ -274,6 +298,7 @@ def run_ep(grid: list[Case], opts: argparse.Namespace, with_deepspeed: bool) -> 
 
 # ---------------------------------------------------------------- report
 
+
 def share(phases: dict[str, list[float]], *keys: str) -> float:
     """Percent of the step in `keys`, averaged over the ranks."""
     return 100 * statistics.fmean(sum(phases[k][r] for k in keys) / phases["step"][r] for r in range(EP_SIZE))
@@ -281,25 +306,46 @@ def share(phases: dict[str, list[float]], *keys: str) -> float:
 
 def print_table(rows: list[dict], with_deepspeed: bool) -> None:
     print(f"{'':63}|{'ours: % of the step':^47}|{'DS: % of the step':^18}")
-    print(f"{'H':>5} {'E':>3} {'K':>2} {'S/rank':>6} {'drop':>5} {'ours ms':>8} {'DS ms':>8} {'ours/DS':>7}"
-          f" {'range':>9} | {'router':>6} {'disp':>4} {'exprt':>5} {'ret':>4} {'cnts':>4} {'other':>5} {'wait':>4}"
-          f" {'rows r0/r1':>11} | {'a2a':>4} {'exprt':>5} {'wait':>4}")
+    print(
+        f"{'H':>5} {'E':>3} {'K':>2} {'S/rank':>6} {'drop':>5} {'ours ms':>8} {'DS ms':>8} {'ours/DS':>7}"
+        f" {'range':>9} | {'router':>6} {'disp':>4} {'exprt':>5} {'ret':>4} {'cnts':>4} {'other':>5} {'wait':>4}"
+        f" {'rows r0/r1':>11} | {'a2a':>4} {'exprt':>5} {'wait':>4}"
+    )
     for r in rows:
         p, q = r["ours_phases"], r.get("deepspeed_phases")
         timed = f"{'-':>8} {'-':>7} {'-':>9}"
         if q is not None:
             lo, hi = r["ours_over_deepspeed_range"]
             timed = f"{r['deepspeed_ms']:8.1f} {r['ours_over_deepspeed']:7.2f} {lo:4.2f}-{hi:4.2f}"
-        ours = " ".join(f"{share(p, key):{width}.1f}" for key, width in (
-            ("router", 6), ("dispatch", 4), ("experts", 5), ("return", 4), ("counts", 4), ("other", 5), ("wait", 4)))
-        theirs = "" if q is None else (
-            f" | {share(q, 'dispatch', 'return', 'counts'):4.1f} {share(q, 'experts'):5.1f} {share(q, 'wait'):4.1f}")
-        print(f"{r['hidden']:5} {r['experts']:3} {r['topk']:2} {r['tokens']:6} {str(r['drop']):>5} {r['ours_ms']:8.1f}"
-              f" {timed} | {ours} {'/'.join(str(int(n)) for n in p['rows']):>11}{theirs}")
-    print("disp/ret: the all-to-all into/out of the experts, forward and backward; cnts: the counts exchange (time"
-          " blocked on it); other: sort, permutes, combine, router backward; wait: time inside collectives until"
-          " the other rank arrived (part of disp/ret/cnts); rows: rows the experts of rank 0/1 computed; DS a2a:"
-          " all its collectives (it pads every expert to the capacity: equal rows on both ranks)")
+        ours = " ".join(
+            f"{share(p, key):{width}.1f}"
+            for key, width in (
+                ("router", 6),
+                ("dispatch", 4),
+                ("experts", 5),
+                ("return", 4),
+                ("counts", 4),
+                ("other", 5),
+                ("wait", 4),
+            )
+        )
+        theirs = (
+            ""
+            if q is None
+            else (
+                f" | {share(q, 'dispatch', 'return', 'counts'):4.1f} {share(q, 'experts'):5.1f} {share(q, 'wait'):4.1f}"
+            )
+        )
+        print(
+            f"{r['hidden']:5} {r['experts']:3} {r['topk']:2} {r['tokens']:6} {r['drop']!s:>5} {r['ours_ms']:8.1f}"
+            f" {timed} | {ours} {'/'.join(str(int(n)) for n in p['rows']):>11}{theirs}"
+        )
+    print(
+        "disp/ret: the all-to-all into/out of the experts, forward and backward; cnts: the counts exchange (time"
+        " blocked on it); other: sort, permutes, combine, router backward; wait: time inside collectives until"
+        " the other rank arrived (part of disp/ret/cnts); rows: rows the experts of rank 0/1 computed; DS a2a:"
+        " all its collectives (it pads every expert to the capacity: equal rows on both ranks)"
+    )
     if not with_deepspeed:
         print("note: deepspeed is not importable here (pip install deepspeed==0.19.8): its column is skipped")
 
@@ -314,17 +360,30 @@ def run_and_report(grid: list[Case], args: argparse.Namespace, with_deepspeed: b
     """benchmarks/moe_layer.py's EP=2 mode: times `grid`, prints the table, writes the JSON report."""
     load_before = os.getloadavg()
     rows = run_ep(grid, args, with_deepspeed)
-    print(f"EP={EP_SIZE}: fp32 forward+backward of one layer, {EP_SIZE} gloo processes x 1 thread, median of"
-          f" {args.rounds} rounds x {args.steps} steps; DS = deepspeed.moe.layer.MoE(ep_size={EP_SIZE})")
+    print(
+        f"EP={EP_SIZE}: fp32 forward+backward of one layer, {EP_SIZE} gloo processes x 1 thread, median of"
+        f" {args.rounds} rounds x {args.steps} steps; DS = deepspeed.moe.layer.MoE(ep_size={EP_SIZE})"
+    )
     print_table(rows, with_deepspeed)
     load = os.getloadavg()
     during = max(r["load_average_1min"] for r in rows)
-    report = {"machine": platform.machine(), "processor": cpu_name(), "torch": torch.__version__,
-              "deepspeed": deepspeed_version() if with_deepspeed else None, "ep_size": EP_SIZE,
-              "threads_per_rank": 1, "date": time.strftime("%Y-%m-%d %H:%M"),
-              "load_average_before": load_before, "load_average_1min_max_during": during, "load_average_after": load,
-              "args": vars(args), "rows": rows}
+    report = {
+        "machine": platform.machine(),
+        "processor": cpu_name(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed_version() if with_deepspeed else None,
+        "ep_size": EP_SIZE,
+        "threads_per_rank": 1,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_average_before": load_before,
+        "load_average_1min_max_during": during,
+        "load_average_after": load,
+        "args": vars(args),
+        "rows": rows,
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=1))
-    print(f"load average (1 min; our two ranks add about 2): before {load_before[0]:.2f}, highest after a case"
-          f" {during:.2f}, after {load[0]:.2f}; wrote {output}")
+    print(
+        f"load average (1 min; our two ranks add about 2): before {load_before[0]:.2f}, highest after a case"
+        f" {during:.2f}, after {load[0]:.2f}; wrote {output}"
+    )

@@ -35,9 +35,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -114,10 +115,14 @@ class OneHotMoE(nn.Module):
         first_SE, second_SE = first_SE * (slot1_SE < cap), second_SE * (slot2_SE < cap)
         gate1_S, gate2_S = (gates_SE * first_SE).sum(1), (gates_SE * second_SE).sum(1)
         denom_S = (gate1_S + gate2_S).clamp(min=torch.finfo(gates_SE.dtype).eps)
-        combine_SEC = torch.einsum("se,sc->sec", (gate1_S / denom_S)[:, None] * first_SE,
-                                   F.one_hot((slot1_SE * first_SE).sum(1), cap).float())
-        return l_aux, combine_SEC + torch.einsum("se,sc->sec", (gate2_S / denom_S)[:, None] * second_SE,
-                                                 F.one_hot((slot2_SE * second_SE).sum(1), cap).float())
+        combine_SEC = torch.einsum(
+            "se,sc->sec", (gate1_S / denom_S)[:, None] * first_SE, F.one_hot((slot1_SE * first_SE).sum(1), cap).float()
+        )
+        return l_aux, combine_SEC + torch.einsum(
+            "se,sc->sec",
+            (gate2_S / denom_S)[:, None] * second_SE,
+            F.one_hot((slot2_SE * second_SE).sum(1), cap).float(),
+        )
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_SH = x_BSH.reshape(-1, x_BSH.shape[-1])
@@ -161,16 +166,23 @@ def start_deepspeed() -> Any:
 
 def moe_config(case: Case, deterministic: bool = False) -> MoEConfig:
     """As users train; `deterministic` routes without random choices (see the module's docstring)."""
-    return MoEConfig(topk=case.topk, train_capacity_factor=CAPACITY_FACTOR, min_capacity=MIN_CAPACITY,
-                     drop_tokens=case.drop and not (deterministic and case.topk == 1),
-                     use_rts=not deterministic, sample_second_expert=not deterministic, aux_loss_coeff=AUX_COEFF)
+    return MoEConfig(
+        topk=case.topk,
+        train_capacity_factor=CAPACITY_FACTOR,
+        min_capacity=MIN_CAPACITY,
+        drop_tokens=case.drop and not (deterministic and case.topk == 1),
+        use_rts=not deterministic,
+        sample_second_expert=not deterministic,
+        aux_loss_coeff=AUX_COEFF,
+    )
 
 
 def build_ours(case: Case, config: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> MoELayer:
     torch.manual_seed(0)  # same weights for every run of a case (and the same router on every EP rank)
     h = case.hidden
-    return MoELayer(h, 4 * h, case.experts, config, init_std=0.02, output_init_std=0.02 / math.sqrt(24),
-                    ep_group=ep_group)
+    return MoELayer(
+        h, 4 * h, case.experts, config, init_std=0.02, output_init_std=0.02 / math.sqrt(24), ep_group=ep_group
+    )
 
 
 @torch.no_grad()
@@ -182,8 +194,15 @@ def build_deepspeed(ours: MoELayer, config: MoEConfig, ep_size: int = 1) -> nn.M
     expert = nn.Sequential(nn.Linear(h, ours.experts.w1.shape[2]), nn.GELU(), nn.Linear(ours.experts.w1.shape[2], h))
     with contextlib.redirect_stdout(io.StringIO()):
         layer = deepspeed.moe.layer.MoE(
-            h, expert, num_experts, ep_size=ep_size, k=config.topk, capacity_factor=config.train_capacity_factor,
-            min_capacity=config.min_capacity, drop_tokens=config.drop_tokens, use_rts=config.use_rts,
+            h,
+            expert,
+            num_experts,
+            ep_size=ep_size,
+            k=config.topk,
+            capacity_factor=config.train_capacity_factor,
+            min_capacity=config.min_capacity,
+            drop_tokens=config.drop_tokens,
+            use_rts=config.use_rts,
             top2_2nd_expert_sampling=config.sample_second_expert,
         )
         layer.set_deepspeed_parallelism()
@@ -197,9 +216,12 @@ def as_linear(w: torch.Tensor, in_features: int) -> torch.Tensor:
     return w if w.shape[-1] == in_features else w.t()
 
 
-def matching_tensors(ours: MoELayer, theirs: nn.Module, grads: bool) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def matching_tensors(
+    ours: MoELayer, theirs: nn.Module, grads: bool
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, DeepSpeed's tensor, ours in DeepSpeed's layout) for the router and each local expert:
     the parameters, or with `grads` their gradients."""
+
     def of(param: torch.Tensor) -> torch.Tensor:
         return param.grad if grads else param
 
@@ -335,10 +357,8 @@ def memory_child(impl: str, case: Case) -> None:
 def release_free_heap() -> None:
     """glibc keeps freed heap memory mapped (the warm-up's activations and DeepSpeed's per-expert
     gradients): hand it back, so that no implementation's step starts on memory its warm-up left."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def measure_memory(case: Case, impls: list[str], threads: int, repeats: int) -> dict:
@@ -348,8 +368,16 @@ def measure_memory(case: Case, impls: list[str], threads: int, repeats: int) -> 
     samples: dict[str, list[int]] = {impl: [] for impl in impls}
     for _ in range(repeats):
         for impl in impls:
-            cmd = [sys.executable, "-m", "benchmarks.moe_layer", "--threads", str(threads),
-                   "--memory-child", impl, *(str(int(v)) for v in case)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.moe_layer",
+                "--threads",
+                str(threads),
+                "--memory-child",
+                impl,
+                *(str(int(v)) for v in case),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:  # e.g. killed for memory: say so and keep the other rows
                 print(f"memory step of {impl} for {case} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -369,17 +397,26 @@ def ratio_cell(value: float, ok: bool | None) -> str:
 
 
 def case_cells(r: dict) -> str:
-    return (f"{r['hidden']:5} {r['experts']:3} {r['topk']:2} {r['tokens']:6} {'yes' if r['drop'] else 'no':>4}"
-            f" {r['capacity'] if r['drop'] else '-':>5}")
+    return (
+        f"{r['hidden']:5} {r['experts']:3} {r['topk']:2} {r['tokens']:6} {'yes' if r['drop'] else 'no':>4}"
+        f" {r['capacity'] if r['drop'] else '-':>5}"
+    )
 
 
 def print_timing(rows: list[dict]) -> None:
-    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours ms':>8} {'DS ms':>8} {'(a) ms':>8}"
-          f" {'(b) ms':>8} {'DS/ours>=1.1':>13} {'ours/(a)<=1.25':>15} {'(b)/ours>=2':>12}")
+    print(
+        f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours ms':>8} {'DS ms':>8} {'(a) ms':>8}"
+        f" {'(b) ms':>8} {'DS/ours>=1.1':>13} {'ours/(a)<=1.25':>15} {'(b)/ours>=2':>12}"
+    )
     for r in rows:
-        cells = [f"{r[k]:8.1f}" if k in r else f"{'-':>8}" for k in ("ours_ms", "deepspeed_ms", "dense_ms", "onehot_ms")]
-        ds = ratio_cell(r["deepspeed_over_ours"]["median"], r["deepspeed_over_ours"]["median"] >= 1.1) \
-            if "deepspeed_over_ours" in r else "-"
+        cells = [
+            f"{r[k]:8.1f}" if k in r else f"{'-':>8}" for k in ("ours_ms", "deepspeed_ms", "dense_ms", "onehot_ms")
+        ]
+        ds = (
+            ratio_cell(r["deepspeed_over_ours"]["median"], r["deepspeed_over_ours"]["median"] >= 1.1)
+            if "deepspeed_over_ours" in r
+            else "-"
+        )
         dense = ratio_cell(r["ours_over_dense"]["median"], r["ours_over_dense"]["median"] <= 1.25)
         onehot = "-"
         if "onehot_over_ours" in r:  # the speedup target applies from 16 experts up
@@ -392,25 +429,36 @@ def print_page_faults(rows: list[dict]) -> None:
     """Minor page faults and system time per step (medians over the rounds), which swing with the
     host's state more than the arithmetic does."""
     print("\npage faults and system time per step")
-    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours faults':>12} {'ours sys ms':>12}"
-          f" {'DS faults':>10} {'DS sys ms':>10}")
+    print(
+        f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours faults':>12} {'ours sys ms':>12}"
+        f" {'DS faults':>10} {'DS sys ms':>10}"
+    )
     for r in rows:
-        cells = [f"{r[f'{impl}_page_faults']:{width}.0f} {r[f'{impl}_system_ms']:{width}.1f}"
-                 if f"{impl}_page_faults" in r else f"{'-':>{width}} {'-':>{width}}"
-                 for impl, width in (("ours", 12), ("deepspeed", 10))]
+        cells = [
+            f"{r[f'{impl}_page_faults']:{width}.0f} {r[f'{impl}_system_ms']:{width}.1f}"
+            if f"{impl}_page_faults" in r
+            else f"{'-':>{width}} {'-':>{width}}"
+            for impl, width in (("ours", 12), ("deepspeed", 10))
+        ]
         print(f"{case_cells(r)} {' '.join(cells)}")
 
 
 def print_memory(rows: list[dict]) -> None:
     """Peak extra bytes of one step per token, ours against DeepSpeed's (and (b) where run)."""
     print("\npeak extra memory of one forward+backward, bytes per token")
-    print(f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours MiB':>9} {'ours B/tok':>10}"
-          f" {'DS MiB':>8} {'DS B/tok':>9} {'(b) B/tok':>10} {'ours/DS<=1':>11}")
+    print(
+        f"{'H':>5} {'E':>3} {'K':>2} {'tokens':>6} {'drop':>4} {'C':>5} {'ours MiB':>9} {'ours B/tok':>10}"
+        f" {'DS MiB':>8} {'DS B/tok':>9} {'(b) B/tok':>10} {'ours/DS<=1':>11}"
+    )
     for r in rows:
         cells = []
         for impl, width in (("ours", 9), ("deepspeed", 8)):
             b = r.get(f"{impl}_extra_bytes")
-            cells.append(f"{b / 2**20:{width}.1f} {b / r['tokens']:{width + 1}.0f}" if b else f"{'-':>{width}} {'-':>{width + 1}}")
+            cells.append(
+                f"{b / 2**20:{width}.1f} {b / r['tokens']:{width + 1}.0f}"
+                if b
+                else f"{'-':>{width}} {'-':>{width + 1}}"
+            )
         onehot = r.get("onehot_extra_bytes")
         cells.append(f"{onehot / r['tokens']:10.0f}" if onehot else f"{'-':>10}")
         ratio = r.get("ours_over_deepspeed_bytes")
@@ -434,7 +482,9 @@ def print_memory_fit(rows: list[dict], impl: str) -> None:
         m = [r[f"{impl}_extra_bytes"] for r in sweep]
         s_mean, m_mean = statistics.fmean(s), statistics.fmean(m)
         slope = sum((a - s_mean) * (b - m_mean) for a, b in zip(s, m)) / sum((a - s_mean) ** 2 for a in s)
-        print(f"{impl} H={h} E={e} K={k} drop={drop}: {slope:.0f} B/token + {(m_mean - slope * s_mean) / 2**20:.1f} MiB")
+        print(
+            f"{impl} H={h} E={e} K={k} drop={drop}: {slope:.0f} B/token + {(m_mean - slope * s_mean) / 2**20:.1f} MiB"
+        )
 
 
 def cpu_name() -> str:
@@ -461,12 +511,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per implementation and case")
     parser.add_argument("--quick", action="store_true", help="four small cases (< 1 min)")
-    parser.add_argument("--ep-size", type=int, choices=[1, 2], default=1,
-                        help="2: expert parallelism over two gloo processes of one thread each (benchmarks/moe_ep.py),"
-                             " against DeepSpeed's MoE(ep_size=2), with the share of the step in each phase")
+    parser.add_argument(
+        "--ep-size",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: expert parallelism over two gloo processes of one thread each (benchmarks/moe_ep.py),"
+        " against DeepSpeed's MoE(ep_size=2), with the share of the step in each phase",
+    )
     parser.add_argument("--profile-steps", type=int, default=3, help="with --ep-size 2: instrumented steps per column")
-    parser.add_argument("--output", help="JSON path (default benchmarks/results/moe_layer[_quick].json, moe_ep[_quick]"
-                                         ".json with --ep-size 2)")
+    parser.add_argument(
+        "--output",
+        help="JSON path (default benchmarks/results/moe_layer[_quick].json, moe_ep[_quick].json with --ep-size 2)",
+    )
     parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)  # impl H E K S drop, internal
     return parser.parse_args()
 
@@ -475,8 +532,14 @@ def grid_of(args: argparse.Namespace) -> list[Case]:
     if args.quick:
         grid = QUICK_GRID
     elif any(v is not None for v in (args.hidden, args.experts, args.topk, args.tokens)):
-        grid = both_drop_modes([Case(*c) for c in itertools.product(
-            args.hidden or [512], args.experts or [16], args.topk or [1], args.tokens or [4096])])
+        grid = both_drop_modes(
+            [
+                Case(*c)
+                for c in itertools.product(
+                    args.hidden or [512], args.experts or [16], args.topk or [1], args.tokens or [4096]
+                )
+            ]
+        )
     else:
         grid = DEFAULT_GRID
     return [c for c in grid if args.drop == "both" or c.drop == (args.drop == "yes")]
@@ -508,25 +571,42 @@ def main() -> None:
     for n, case in enumerate(grid, 1):
         rows.append(time_case(case, impls_of(case, wanted, cap_bytes), args.rounds, args.steps, args.warmup))
         print(f"timed {n}/{len(grid)}: {case}", file=sys.stderr, flush=True)
-    print(f"fp32 forward+backward of one layer, {torch.get_num_threads()} threads, median of {args.rounds} rounds"
-          f" x {args.steps} steps; DS DeepSpeed {'(not installed)' if 'deepspeed' not in wanted else ''},"
-          f" (a) dense H->K*4H->H, (b) one-hot [S,E,C] einsum dispatch")
+    print(
+        f"fp32 forward+backward of one layer, {torch.get_num_threads()} threads, median of {args.rounds} rounds"
+        f" x {args.steps} steps; DS DeepSpeed {'(not installed)' if 'deepspeed' not in wanted else ''},"
+        f" (a) dense H->K*4H->H, (b) one-hot [S,E,C] einsum dispatch"
+    )
     print_timing(rows)
     print_page_faults(rows)
     sys.stdout.flush()
-    memory_rows = [] if args.no_memory else [
-        measure_memory(c, [i for i in impls_of(c, wanted, cap_bytes) if i != "dense"], torch.get_num_threads(),
-                       args.memory_repeats)
-        for c in grid
-    ]
+    memory_rows = (
+        []
+        if args.no_memory
+        else [
+            measure_memory(
+                c,
+                [i for i in impls_of(c, wanted, cap_bytes) if i != "dense"],
+                torch.get_num_threads(),
+                args.memory_repeats,
+            )
+            for c in grid
+        ]
+    )
     if memory_rows:
         print_memory(memory_rows)
     output = Path(args.output or f"benchmarks/results/moe_layer{'_quick' if args.quick else ''}.json")
-    report = {"machine": platform.machine(), "processor": cpu_name(), "torch": torch.__version__,
-              "deepspeed": deepspeed_version() if "deepspeed" in wanted else None,
-              "threads": torch.get_num_threads(), "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d"),
-              "args": {k: v for k, v in vars(args).items() if k != "memory_child"},
-              "rows": rows, "memory_rows": memory_rows}
+    report = {
+        "machine": platform.machine(),
+        "processor": cpu_name(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed_version() if "deepspeed" in wanted else None,
+        "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d"),
+        "args": {k: v for k, v in vars(args).items() if k != "memory_child"},
+        "rows": rows,
+        "memory_rows": memory_rows,
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=1))
     print(f"wrote {output}")

@@ -111,11 +111,22 @@ def runtime_config(variant: Variant, folder: Path) -> dict[str, Any]:
     if variant.device != "none":
         offload: dict[str, Any] = {"device": variant.device}
         if variant.device == "nvme":
-            offload.update(nvme_path=str(folder), buffer_count=variant.buffer_count, pipeline_read=variant.pipelined,
-                           pipeline_write=variant.pipelined, fast_init=True)
+            offload.update(
+                nvme_path=str(folder),
+                buffer_count=variant.buffer_count,
+                pipeline_read=variant.pipelined,
+                pipeline_write=variant.pipelined,
+                fast_init=True,
+            )
         zero["offload_optimizer"] = offload
-    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": HYPER},
-            "gradient_clipping": 1.0, "steps_per_print": 0, "zero_optimization": zero, "aio": asdict(AIO)}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": HYPER},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 0,
+        "zero_optimization": zero,
+        "aio": asdict(AIO),
+    }
 
 
 def build_engine(variant: Variant, layers: int, hidden: int, folder: Path) -> Any:
@@ -167,9 +178,13 @@ def host_state(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     swap_files = 0
     if isinstance(optimizer, SwappedAdam):
         swap_files = sum(f.stat().st_size for f in Path(optimizer.folder.path).iterdir())
-    return {"state_tensor_bytes": tensor_bytes(state), "swap_buffer_bytes": tensor_bytes(buffers),
-            "host_state_bytes": tensor_bytes(state) + tensor_bytes(buffers), "swap_file_bytes": swap_files,
-            "sub_groups": sum(len(g) for g in optimizer.sub_groups.values()) if buffers else 0}
+    return {
+        "state_tensor_bytes": tensor_bytes(state),
+        "swap_buffer_bytes": tensor_bytes(buffers),
+        "host_state_bytes": tensor_bytes(state) + tensor_bytes(buffers),
+        "swap_file_bytes": swap_files,
+        "sub_groups": sum(len(g) for g in optimizer.sub_groups.values()) if buffers else 0,
+    }
 
 
 def run_variant(variant: Variant, layers: int, hidden: int, folder: Path, steps: int) -> dict[str, Any]:
@@ -186,9 +201,14 @@ def run_variant(variant: Variant, layers: int, hidden: int, folder: Path, steps:
         compute_s.append(fwd_bwd)
         engine_s.append(step)
         losses.append(loss)
-    record = {"optimizer_s": optimizer_s[1:], "engine_step_s": engine_s, "compute_s": compute_s,
-              "page_cache_growth_bytes": meminfo_bytes("Cached") - cached_before, "losses": losses,
-              **host_state(optimizer)}
+    record = {
+        "optimizer_s": optimizer_s[1:],
+        "engine_step_s": engine_s,
+        "compute_s": compute_s,
+        "page_cache_growth_bytes": meminfo_bytes("Cached") - cached_before,
+        "losses": losses,
+        **host_state(optimizer),
+    }
     if isinstance(optimizer, SwappedAdam):
         optimizer.folder.remove()
     return record
@@ -208,14 +228,16 @@ def variant_child(spec: dict[str, Any]) -> None:
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
     base_rss = proc_status_bytes("VmRSS")
-    record = run_variant(Variant(**spec["variant"]), spec["layers"], spec["hidden"], Path(spec["folder"]),
-                         spec["steps"])
+    record = run_variant(
+        Variant(**spec["variant"]), spec["layers"], spec["hidden"], Path(spec["folder"]), spec["steps"]
+    )
     print(json.dumps({**record, "base_rss": base_rss, "peak_rss": proc_status_bytes("VmHWM")}))
 
 
 def run_child(flag: str, spec: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.offload", flag, json.dumps(spec)],
-                          capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.offload", flag, json.dumps(spec)], capture_output=True, text=True, cwd=REPO
+    )
     if done.returncode:
         raise RuntimeError(f"{flag} {spec} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -242,18 +264,30 @@ def run_rounds(args: argparse.Namespace, todo: list[Variant], folder: Path, flus
             started = time.perf_counter()
             if name == "disk":
                 record["disk"] = measure_disk(folder, disk_bytes, flush)
-                record["disk"]["io_s"] = disk_bytes / 1e9 / record["disk"]["read_gbps"] + \
-                    disk_bytes / 1e9 / record["disk"]["write_gbps"]
-                print(f"round {round_index} disk: write {record['disk']['write_gbps']:.2f} GB/s, read "
-                      f"{record['disk']['read_gbps']:.2f} GB/s", flush=True)
+                record["disk"]["io_s"] = (
+                    disk_bytes / 1e9 / record["disk"]["read_gbps"] + disk_bytes / 1e9 / record["disk"]["write_gbps"]
+                )
+                print(
+                    f"round {round_index} disk: write {record['disk']['write_gbps']:.2f} GB/s, read "
+                    f"{record['disk']['read_gbps']:.2f} GB/s",
+                    flush=True,
+                )
                 continue
             variant = next(v for v in todo if v.name == name)
-            spec = {"variant": asdict(variant), "layers": args.layers, "hidden": args.hidden, "folder": str(folder),
-                    "steps": args.steps}
+            spec = {
+                "variant": asdict(variant),
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "folder": str(folder),
+                "steps": args.steps,
+            }
             record[name] = run_child("--variant-child", spec)
-            print(f"round {round_index} {name}: optimizer step "
-                  f"{1000 * statistics.median(record[name]['optimizer_s']):.0f} ms "
-                  f"({time.perf_counter() - started:.0f} s with build)", flush=True)
+            print(
+                f"round {round_index} {name}: optimizer step "
+                f"{1000 * statistics.median(record[name]['optimizer_s']):.0f} ms "
+                f"({time.perf_counter() - started:.0f} s with build)",
+                flush=True,
+            )
         rounds.append(record)
     return rounds, disk_bytes
 
@@ -264,25 +298,41 @@ def summarise(todo: list[Variant], rounds: list[dict], numel: int, disk_bytes: i
     io_s = [state_bytes / 1e9 / r["disk"]["read_gbps"] + state_bytes / 1e9 / r["disk"]["write_gbps"] for r in rounds]
     step = {v.name: [statistics.median(r[v.name]["optimizer_s"]) for r in rounds] for v in todo}
     bound = [max(m, io) for m, io in zip(step["memory"], io_s)]
-    disk = {"read_gbps": statistics.median(r["disk"]["read_gbps"] for r in rounds),
-            "write_gbps": statistics.median(r["disk"]["write_gbps"] for r in rounds),
-            "measured_bytes": disk_bytes, "state_bytes": state_bytes, "io_ms": 1000 * statistics.median(io_s),
-            "io_ms_rounds": [1000 * s for s in io_s]}
+    disk = {
+        "read_gbps": statistics.median(r["disk"]["read_gbps"] for r in rounds),
+        "write_gbps": statistics.median(r["disk"]["write_gbps"] for r in rounds),
+        "measured_bytes": disk_bytes,
+        "state_bytes": state_bytes,
+        "io_ms": 1000 * statistics.median(io_s),
+        "io_ms_rounds": [1000 * s for s in io_s],
+    }
     rows = []
     for v in todo:
         first = rounds[0][v.name]
         ratios = [s / b for s, b in zip(step[v.name], bound)]
-        row = {**asdict(v), "optimizer_ms": 1000 * statistics.median(step[v.name]),
-               "optimizer_ms_rounds": [1000 * s for s in step[v.name]],
-               "engine_step_ms": 1000 * statistics.median(statistics.median(r[v.name]["engine_step_s"]) for r in rounds),
-               "compute_ms": 1000 * statistics.median(statistics.median(r[v.name]["compute_s"]) for r in rounds),
-               "over_memory": statistics.median(s / m for s, m in zip(step[v.name], step["memory"])),
-               "over_io": statistics.median(s / io for s, io in zip(step[v.name], io_s)),
-               "over_bound": statistics.median(ratios), "over_bound_range": [min(ratios), max(ratios)],
-               "page_cache_growth_bytes": max(r[v.name]["page_cache_growth_bytes"] for r in rounds),
-               "peak_rss": statistics.median(r[v.name]["peak_rss"] for r in rounds),
-               **{k: first[k] for k in ("state_tensor_bytes", "swap_buffer_bytes", "host_state_bytes",
-                                        "swap_file_bytes", "sub_groups")}}
+        row = {
+            **asdict(v),
+            "optimizer_ms": 1000 * statistics.median(step[v.name]),
+            "optimizer_ms_rounds": [1000 * s for s in step[v.name]],
+            "engine_step_ms": 1000 * statistics.median(statistics.median(r[v.name]["engine_step_s"]) for r in rounds),
+            "compute_ms": 1000 * statistics.median(statistics.median(r[v.name]["compute_s"]) for r in rounds),
+            "over_memory": statistics.median(s / m for s, m in zip(step[v.name], step["memory"])),
+            "over_io": statistics.median(s / io for s, io in zip(step[v.name], io_s)),
+            "over_bound": statistics.median(ratios),
+            "over_bound_range": [min(ratios), max(ratios)],
+            "page_cache_growth_bytes": max(r[v.name]["page_cache_growth_bytes"] for r in rounds),
+            "peak_rss": statistics.median(r[v.name]["peak_rss"] for r in rounds),
+            **{
+                k: first[k]
+                for k in (
+                    "state_tensor_bytes",
+                    "swap_buffer_bytes",
+                    "host_state_bytes",
+                    "swap_file_bytes",
+                    "sub_groups",
+                )
+            },
+        }
         row["target_met"] = row["over_bound"] <= 1.2 if v.pipelined else None
         rows.append(row)
     # every variant runs the same Adam arithmetic on the same data: the losses must agree exactly
@@ -292,21 +342,27 @@ def summarise(todo: list[Variant], rounds: list[dict], numel: int, disk_bytes: i
 
 def print_table(summary: dict[str, Any], numel: int) -> None:
     disk, mib = summary["disk"], 2**20
-    print(f"\n{numel:,} parameters; state 8 B/param = {disk['state_bytes'] / 1e9:.2f} GB; disk write "
-          f"{disk['write_gbps']:.2f} GB/s, cold read {disk['read_gbps']:.2f} GB/s -> state I/O (read + write) "
-          f"{disk['io_ms']:.0f} ms; losses identical across variants: {summary['same_losses_in_every_variant']}")
-    print("\n| variant | sub_group_size | sub-groups | buffers | optimizer step ms | engine.step ms | fwd+bwd ms "
-          "| host state MiB | peak RSS GiB | / memory | / I/O | / max(memory, I/O) (range) | target <= 1.2 |")
+    print(
+        f"\n{numel:,} parameters; state 8 B/param = {disk['state_bytes'] / 1e9:.2f} GB; disk write "
+        f"{disk['write_gbps']:.2f} GB/s, cold read {disk['read_gbps']:.2f} GB/s -> state I/O (read + write) "
+        f"{disk['io_ms']:.0f} ms; losses identical across variants: {summary['same_losses_in_every_variant']}"
+    )
+    print(
+        "\n| variant | sub_group_size | sub-groups | buffers | optimizer step ms | engine.step ms | fwd+bwd ms "
+        "| host state MiB | peak RSS GiB | / memory | / I/O | / max(memory, I/O) (range) | target <= 1.2 |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in summary["rows"]:
         nvme = r["device"] == "nvme"
         low, high = r["over_bound_range"]
         verdict = "" if r["target_met"] is None else ("met" if r["target_met"] else "MISSED")
         sub_group = short(r["sub_group_size"]) if nvme else "-"
-        print(f"| {r['name']} | {sub_group} | {r['sub_groups'] if nvme else '-'} "
-              f"| {r['buffer_count'] if nvme else '-'} | {r['optimizer_ms']:.0f} | {r['engine_step_ms']:.0f} "
-              f"| {r['compute_ms']:.0f} | {r['host_state_bytes'] / mib:.0f} | {r['peak_rss'] / GiB:.2f} | {r['over_memory']:.2f} "
-              f"| {r['over_io']:.2f} | {r['over_bound']:.2f} ({low:.2f}-{high:.2f}) | {verdict} |")
+        print(
+            f"| {r['name']} | {sub_group} | {r['sub_groups'] if nvme else '-'} "
+            f"| {r['buffer_count'] if nvme else '-'} | {r['optimizer_ms']:.0f} | {r['engine_step_ms']:.0f} "
+            f"| {r['compute_ms']:.0f} | {r['host_state_bytes'] / mib:.0f} | {r['peak_rss'] / GiB:.2f} | {r['over_memory']:.2f} "
+            f"| {r['over_io']:.2f} | {r['over_bound']:.2f} ({low:.2f}-{high:.2f}) | {verdict} |"
+        )
 
 
 def largest_child(spec: dict[str, Any]) -> None:
@@ -324,13 +380,22 @@ def largest_child(spec: dict[str, Any]) -> None:
     optimizer_s = time_optimizer(engine)
     steps = [train_step(engine, x_BH) for _ in range(2)]
     params = list(engine.module.parameters())
-    result = {"numel": sum(p.numel() for p in params), "param_bytes": tensor_bytes(params),
-              "grad_bytes": tensor_bytes([p.grad for p in params if p.grad is not None]),
-              "optimizer_s": optimizer_s, "compute_s": [s[0] for s in steps], "engine_step_s": [s[1] for s in steps],
-              "losses": [s[2] for s in steps], **host_state(engine.optimizer),
-              "base_rss": base_rss, "build_rss": build_rss, "build_peak_rss": build_peak_rss,
-              "rss": proc_status_bytes("VmRSS"), "step_peak_rss": proc_status_bytes("VmHWM"),
-              "peak_rss": max(build_peak_rss, proc_status_bytes("VmHWM"))}
+    result = {
+        "numel": sum(p.numel() for p in params),
+        "param_bytes": tensor_bytes(params),
+        "grad_bytes": tensor_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer_s": optimizer_s,
+        "compute_s": [s[0] for s in steps],
+        "engine_step_s": [s[1] for s in steps],
+        "losses": [s[2] for s in steps],
+        **host_state(engine.optimizer),
+        "base_rss": base_rss,
+        "build_rss": build_rss,
+        "build_peak_rss": build_peak_rss,
+        "rss": proc_status_bytes("VmRSS"),
+        "step_peak_rss": proc_status_bytes("VmHWM"),
+        "peak_rss": max(build_peak_rss, proc_status_bytes("VmHWM")),
+    }
     engine.optimizer.folder.remove()
     print(json.dumps(result))
 
@@ -345,9 +410,12 @@ def largest_model(args: argparse.Namespace, folder: Path, summary: dict[str, Any
     limits = {
         "memory_max_params": int(HOST_STATE_BUDGET / per_param["memory"]),
         "cpu_max_params": int(HOST_STATE_BUDGET / per_param["cpu"]),
-        "host_state_bytes_per_param": per_param, "disk_bytes_per_param": disk_per_param, "disk_free_bytes": free,
+        "host_state_bytes_per_param": per_param,
+        "disk_bytes_per_param": disk_per_param,
+        "disk_free_bytes": free,
         # nvme: host state is the buffers only (buffer_count x 2 x sub-group x 4 B), whatever the model size
-        "nvme_buffer_bytes": buffers, "nvme_max_sub_group_3_buffers": HOST_STATE_BUDGET // (3 * 2 * 4),
+        "nvme_buffer_bytes": buffers,
+        "nvme_max_sub_group_3_buffers": HOST_STATE_BUDGET // (3 * 2 * 4),
         "nvme_max_params_by_disk": int(free / disk_per_param),
     }
     layers = args.largest_layers
@@ -357,8 +425,11 @@ def largest_model(args: argparse.Namespace, folder: Path, summary: dict[str, Any
         layers -= 1  # keep room for the other engineers' jobs on this machine
         need = 8 * layers * args.hidden**2 + 3 * 2 * 4 * args.largest_sub_group + GiB
     spec = {"layers": layers, "hidden": args.hidden, "sub_group_size": args.largest_sub_group, "folder": str(folder)}
-    print(f"\nlargest model: {layers} x {args.hidden}^2 = {layers * args.hidden**2:,} parameters, NVMe pipelined, "
-          f"sub_group_size {short(args.largest_sub_group)}, 3 buffers (about {need / GiB:.1f} GiB expected)", flush=True)
+    print(
+        f"\nlargest model: {layers} x {args.hidden}^2 = {layers * args.hidden**2:,} parameters, NVMe pipelined, "
+        f"sub_group_size {short(args.largest_sub_group)}, 3 buffers (about {need / GiB:.1f} GiB expected)",
+        flush=True,
+    )
     started = time.perf_counter()
     try:
         run = run_child("--largest-child", spec)
@@ -375,39 +446,63 @@ def largest_model(args: argparse.Namespace, folder: Path, summary: dict[str, Any
 def print_largest(largest: dict[str, Any]) -> None:
     limits = largest["limits"]
     print(f"\nhost memory for optimizer state: {HOST_STATE_BUDGET / GiB:.0f} GiB")
-    print(f"  in memory (fused AdamW): {limits['host_state_bytes_per_param']['memory']:.4f} B/param measured -> "
-          f"at most {limits['memory_max_params'] / 1e6:,.0f}M parameters")
-    print(f"  CPU offload (CPUAdam):   {limits['host_state_bytes_per_param']['cpu']:.4f} B/param measured -> "
-          f"at most {limits['cpu_max_params'] / 1e6:,.0f}M parameters")
-    print(f"  NVMe: host state = swap buffers only ({', '.join(f'{n}: {b / 2**20:.0f} MiB' for n, b in limits['nvme_buffer_bytes'].items())}), "
-          f"not growing with the model; {limits['disk_bytes_per_param']:.4f} B/param on disk, "
-          f"{limits['disk_free_bytes'] / 1e9:.0f} GB free -> the disk holds the state of "
-          f"{limits['nvme_max_params_by_disk'] / 1e9:.1f}B parameters; the host's limit is then the parameters "
-          "and gradients themselves (fp32, one rank: 8 B/param, not optimizer state)")
+    print(
+        f"  in memory (fused AdamW): {limits['host_state_bytes_per_param']['memory']:.4f} B/param measured -> "
+        f"at most {limits['memory_max_params'] / 1e6:,.0f}M parameters"
+    )
+    print(
+        f"  CPU offload (CPUAdam):   {limits['host_state_bytes_per_param']['cpu']:.4f} B/param measured -> "
+        f"at most {limits['cpu_max_params'] / 1e6:,.0f}M parameters"
+    )
+    print(
+        "  NVMe: host state = swap buffers only ("
+        + ", ".join(f"{n}: {b / 2**20:.0f} MiB" for n, b in limits["nvme_buffer_bytes"].items())
+        + "), "
+        f"not growing with the model; {limits['disk_bytes_per_param']:.4f} B/param on disk, "
+        f"{limits['disk_free_bytes'] / 1e9:.0f} GB free -> the disk holds the state of "
+        f"{limits['nvme_max_params_by_disk'] / 1e9:.1f}B parameters; the host's limit is then the parameters "
+        "and gradients themselves (fp32, one rank: 8 B/param, not optimizer state)"
+    )
     if "run" not in largest:
         print("  demonstration failed: see the error above")
         return
     run, mib = largest["run"], 2**20
-    print(f"  demonstrated: {run['numel']:,} parameters (in memory the state would be "
-          f"{run['in_memory_state_bytes'] / GiB:.2f} GiB), {run['sub_groups']} sub-groups")
-    print(f"    optimizer state in host memory {run['host_state_bytes'] / mib:.0f} MiB (state tensors "
-          f"{run['state_tensor_bytes'] / mib:.3f} MiB + swap buffers {run['swap_buffer_bytes'] / mib:.0f} MiB) "
-          f"-> {'within' if run['fits_budget'] else 'OVER'} 4 GiB; swap files {run['swap_file_bytes'] / GiB:.2f} GiB")
-    print(f"    params {run['param_bytes'] / GiB:.2f} GiB, grads {run['grad_bytes'] / GiB:.2f} GiB; RSS at start "
-          f"{run['base_rss'] / GiB:.2f} GiB, peak while building the engine {run['build_peak_rss'] / GiB:.2f} GiB, "
-          f"after {run['build_rss'] / GiB:.2f} GiB, peak during the two steps {run['step_peak_rss'] / GiB:.2f} GiB")
-    print(f"    optimizer steps {', '.join(f'{1000 * s:.0f}' for s in run['optimizer_s'])} ms (the first only writes), "
-          f"losses {', '.join(f'{loss:.6f}' for loss in run['losses'])}")
+    print(
+        f"  demonstrated: {run['numel']:,} parameters (in memory the state would be "
+        f"{run['in_memory_state_bytes'] / GiB:.2f} GiB), {run['sub_groups']} sub-groups"
+    )
+    print(
+        f"    optimizer state in host memory {run['host_state_bytes'] / mib:.0f} MiB (state tensors "
+        f"{run['state_tensor_bytes'] / mib:.3f} MiB + swap buffers {run['swap_buffer_bytes'] / mib:.0f} MiB) "
+        f"-> {'within' if run['fits_budget'] else 'OVER'} 4 GiB; swap files {run['swap_file_bytes'] / GiB:.2f} GiB"
+    )
+    print(
+        f"    params {run['param_bytes'] / GiB:.2f} GiB, grads {run['grad_bytes'] / GiB:.2f} GiB; RSS at start "
+        f"{run['base_rss'] / GiB:.2f} GiB, peak while building the engine {run['build_peak_rss'] / GiB:.2f} GiB, "
+        f"after {run['build_rss'] / GiB:.2f} GiB, peak during the two steps {run['step_peak_rss'] / GiB:.2f} GiB"
+    )
+    print(
+        f"    optimizer steps {', '.join(f'{1000 * s:.0f}' for s in run['optimizer_s'])} ms (the first only writes), "
+        f"losses {', '.join(f'{loss:.6f}' for loss in run['losses'])}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, help="swap folder (default: a new folder beside the repository, "
-                        "on its disk, removed at the end)")
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        help="swap folder (default: a new folder beside the repository, on its disk, removed at the end)",
+    )
     parser.add_argument("--layers", type=int, default=12, help="linear layers of the timed model")
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--sub-groups", type=float, nargs="+", default=[5e7, 2e7],
-                        help="sub_group_size of the NVMe variants besides 1e9 (the first also runs unpipelined)")
+    parser.add_argument(
+        "--sub-groups",
+        type=float,
+        nargs="+",
+        default=[5e7, 2e7],
+        help="sub_group_size of the NVMe variants besides 1e9 (the first also runs unpipelined)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--largest-layers", type=int, default=40, help="layers of the model beyond 4 GiB of state")
@@ -435,9 +530,12 @@ def main() -> None:
     check_folder(folder, 8 * max(numel, args.largest_layers * args.hidden**2) + GiB)
     info = machine(folder)
     flush = drop_page_cache()
-    print(f"{numel:,} parameters ({args.layers} x {args.hidden}^2), {torch.get_num_threads()} threads, swap folder "
-          f"{folder} ({fs_type(folder)}); aio {AIO.describe()}; disk reads "
-          f"{'cold (page cache dropped before each)' if flush else 'warm (cannot drop the page cache)'}", flush=True)
+    print(
+        f"{numel:,} parameters ({args.layers} x {args.hidden}^2), {torch.get_num_threads()} threads, swap folder "
+        f"{folder} ({fs_type(folder)}); aio {AIO.describe()}; disk reads "
+        f"{'cold (page cache dropped before each)' if flush else 'warm (cannot drop the page cache)'}",
+        flush=True,
+    )
     started = time.perf_counter()
     try:
         rounds, disk_bytes = run_rounds(args, todo, folder, flush)
@@ -449,11 +547,22 @@ def main() -> None:
     finally:
         if made_folder:
             shutil.rmtree(folder, ignore_errors=True)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "aio": asdict(AIO),
-              "cold_disk_reads": flush, "model": {"layers": args.layers, "hidden": args.hidden, "parameters": numel},
-              "hyperparameters": HYPER, "steps": args.steps, "rounds_count": args.rounds,
-              "wall_s": time.perf_counter() - started, **summary, "largest": largest, "rounds": rounds}
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": info,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "aio": asdict(AIO),
+        "cold_disk_reads": flush,
+        "model": {"layers": args.layers, "hidden": args.hidden, "parameters": numel},
+        "hyperparameters": HYPER,
+        "steps": args.steps,
+        "rounds_count": args.rounds,
+        "wall_s": time.perf_counter() - started,
+        **summary,
+        "largest": largest,
+        "rounds": rounds,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

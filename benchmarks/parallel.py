@@ -10,9 +10,10 @@ same work, and the activations (per micro-batch) compare the same micro batch. A
 a 4x larger global batch (16 sequences: PP=2 runs m = 8 micro-batches through the pipeline, DP=2 four
 per rank) so that the pipeline bubble's trend with m shows; its ratio is to DP=2 on that batch.
 A third group trains the same model with an MoE layer of 4 experts (top-2, dropless) in place of
-every other layer's dense MLP (Megatron-DeepSpeed's default interval): experts whole on both ranks (MoE DP=2, the baseline), split by expert parallelism
-(MoE EP=2: each rank holds 2 experts) and by expert tensor parallelism (MoE ETP=2: each rank holds
-half of every expert's hidden features; the dense layers stay data-parallel).
+every other layer's dense MLP (Megatron-DeepSpeed's default interval): experts whole on both
+ranks (MoE DP=2, the baseline), split by expert parallelism (MoE EP=2: each rank holds 2 experts)
+and by expert tensor parallelism (MoE ETP=2: each rank holds half of every expert's hidden features;
+the dense layers stay data-parallel).
 
 Each (layout, round) is its own run_distributed call: fresh processes, so the RSS peaks do not mix.
 Layouts alternate in rounds (the order reversed every other round) so machine drift hits them
@@ -74,10 +75,20 @@ RANKS, MICRO_BATCH = 2, 2
 GLOBAL_BATCH = MICRO_BATCH * RANKS
 # 8,191 token ids + the NullTokenizer's eod = 8,192: a multiple of 128 x TP, so no layout pads it
 VOCAB = 8191
-MODEL = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, hidden_dropout=0.0,
-             attention_dropout=0.0)
-MEMORY_KEYS = ("param_bytes", "split_param_bytes", "whole_param_bytes", "grad_bytes", "optim_bytes",
-               "activation_bytes", "activation_peak_bytes", "live_micro_batches", "peak_rss_delta")
+MODEL = dict(
+    num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, hidden_dropout=0.0, attention_dropout=0.0
+)
+MEMORY_KEYS = (
+    "param_bytes",
+    "split_param_bytes",
+    "whole_param_bytes",
+    "grad_bytes",
+    "optim_bytes",
+    "activation_bytes",
+    "activation_peak_bytes",
+    "live_micro_batches",
+    "peak_rss_delta",
+)
 
 
 class Layout(NamedTuple):
@@ -102,30 +113,56 @@ class Layout(NamedTuple):
     @property
     def baseline(self) -> str:
         """The DP=2 layout of the same model and global batch, which this one's ratios are to."""
-        return next(layout.name for layout in LAYOUTS + BUBBLE_LAYOUTS + MOE_LAYOUTS
-                    if layout.dp_size == RANKS and layout.global_batch == self.global_batch and layout.moe == self.moe
-                    and layout.ep_size == layout.expert_tp_size == 1)
+        return next(
+            layout.name
+            for layout in LAYOUTS + BUBBLE_LAYOUTS + MOE_LAYOUTS
+            if layout.dp_size == RANKS
+            and layout.global_batch == self.global_batch
+            and layout.moe == self.moe
+            and layout.ep_size == layout.expert_tp_size == 1
+        )
 
 
 BASELINE = Layout("DP=2")
-LAYOUTS = (BASELINE, Layout("TP=2", tp_size=2), Layout("TP=2+SP", tp_size=2, sequence_parallel=True),
-           Layout("PP=2", pp_size=2))
+LAYOUTS = (
+    BASELINE,
+    Layout("TP=2", tp_size=2),
+    Layout("TP=2+SP", tp_size=2, sequence_parallel=True),
+    Layout("PP=2", pp_size=2),
+)
 # the bubble's trend: the same pipeline over m = 8 micro-batches, against DP=2 on that global batch
-BUBBLE_LAYOUTS = (Layout("DP=2 gb16", global_batch=4 * GLOBAL_BATCH),
-                  Layout("PP=2 gb16", pp_size=2, global_batch=4 * GLOBAL_BATCH))
-MOE_LAYOUTS = (Layout("MoE DP=2", moe=True), Layout("MoE EP=2", moe=True, ep_size=2),
-               Layout("MoE ETP=2", moe=True, expert_tp_size=2))
+BUBBLE_LAYOUTS = (
+    Layout("DP=2 gb16", global_batch=4 * GLOBAL_BATCH),
+    Layout("PP=2 gb16", pp_size=2, global_batch=4 * GLOBAL_BATCH),
+)
+MOE_LAYOUTS = (
+    Layout("MoE DP=2", moe=True),
+    Layout("MoE EP=2", moe=True, ep_size=2),
+    Layout("MoE ETP=2", moe=True, expert_tp_size=2),
+)
 MOE = dict(num_experts=4, topk=2, disable_moe_token_dropping=True, disable_moe_top2_2nd_expert_sampling=True)
 
 
 def layout_config(corpus: str, layout: Layout, train_iters: int) -> PretrainConfig:
     """The flags of one layout."""
     return tiny_config(
-        corpus, dp_size=layout.dp_size, **MODEL, vocab_size=VOCAB + 1, micro_batch_size=MICRO_BATCH,
-        global_batch_size=layout.global_batch, train_iters=train_iters, lr=1e-4, min_lr=1e-5, lr_warmup_iters=0,
-        zero_stage=0, eval_interval=10 * train_iters, tensor_model_parallel_size=layout.tp_size,
-        pipeline_model_parallel_size=layout.pp_size, sequence_parallel=layout.sequence_parallel,
-        moe_expert_parallel_size=layout.ep_size, expert_tensor_parallel_size=layout.expert_tp_size,
+        corpus,
+        dp_size=layout.dp_size,
+        **MODEL,
+        vocab_size=VOCAB + 1,
+        micro_batch_size=MICRO_BATCH,
+        global_batch_size=layout.global_batch,
+        train_iters=train_iters,
+        lr=1e-4,
+        min_lr=1e-5,
+        lr_warmup_iters=0,
+        zero_stage=0,
+        eval_interval=10 * train_iters,
+        tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        sequence_parallel=layout.sequence_parallel,
+        moe_expert_parallel_size=layout.ep_size,
+        expert_tensor_parallel_size=layout.expert_tp_size,
         **(MOE if layout.moe else {}),
     )
 
@@ -213,6 +250,7 @@ class PipelineTimers:
                 return fn(*args, **kwargs)
             finally:
                 on_return(start, time.perf_counter())
+
         return timed
 
     def _exchanged(self, start: float, end: float) -> None:
@@ -224,8 +262,10 @@ class PipelineTimers:
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
         schedule = megatron.training.one_forward_one_backward  # the Trainer's reference, not the module's
-        with mock.patch.object(StageLinks, "_exchange", self._timed(StageLinks._exchange, self._exchanged)), \
-                mock.patch.object(megatron.training, "one_forward_one_backward", self._timed(schedule, self._scheduled)):
+        with (
+            mock.patch.object(StageLinks, "_exchange", self._timed(StageLinks._exchange, self._exchanged)),
+            mock.patch.object(megatron.training, "one_forward_one_backward", self._timed(schedule, self._scheduled)),
+        ):
             yield
 
     def reset(self) -> None:
@@ -238,8 +278,13 @@ def rank_run(layout: Layout, corpus: str, warmup: int, steps: int) -> dict[str, 
     with open("/proc/self/clear_refs", "w") as clear_refs:  # peak RSS from here, not from import/spawn
         clear_refs.write("5")
     base_rss = proc_status_bytes("VmRSS")
-    grid = build_parallel_grid(torch.device("cpu"), tp_size=layout.tp_size, pp_size=layout.pp_size, ep_size=layout.ep_size,
-                               expert_tp_size=layout.expert_tp_size)
+    grid = build_parallel_grid(
+        torch.device("cpu"),
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        ep_size=layout.ep_size,
+        expert_tp_size=layout.expert_tp_size,
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # the run's log lines
         trainer = Trainer(layout_config(corpus, layout, warmup + steps + 1), grid)
     engine, accumulation = trainer.engine, trainer.engine.gradient_accumulation_steps
@@ -253,7 +298,7 @@ def rank_run(layout: Layout, corpus: str, warmup: int, steps: int) -> dict[str, 
         return inner_step(*args, **kwargs)
 
     def step_batches(index: int) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(batches[index * accumulation:(index + 1) * accumulation])
+        return iter(batches[index * accumulation : (index + 1) * accumulation])
 
     engine.optimizer.step = counting_step
     timers = PipelineTimers()
@@ -275,14 +320,24 @@ def rank_run(layout: Layout, corpus: str, warmup: int, steps: int) -> dict[str, 
         trainer.train_step(step_batches(warmup + steps))
     state = [t for s in engine.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     split = [p for p in params if tensor_parallel_split(p) is not None]
-    memory = {"param_bytes": tensor_bytes(params), "split_param_bytes": tensor_bytes(split),
-              "whole_param_bytes": tensor_bytes([p for p in params if tensor_parallel_split(p) is None]),
-              "grad_bytes": grad_bytes[0], "optim_bytes": tensor_bytes(state),
-              "activation_bytes": activations.first_micro_batch_bytes, "activation_peak_bytes": activations.peak_bytes,
-              "live_micro_batches": activations.peak_micro_batches, "peak_rss_delta": peak_rss_delta}
-    return {"step_s": as_tensor(step_s), "exchange_s": as_tensor(exchange_s),
-            "schedule_start": as_tensor(schedule_start), "schedule_end": as_tensor(schedule_end),
-            "memory": torch.tensor([memory[k] for k in MEMORY_KEYS], dtype=torch.int64)}
+    memory = {
+        "param_bytes": tensor_bytes(params),
+        "split_param_bytes": tensor_bytes(split),
+        "whole_param_bytes": tensor_bytes([p for p in params if tensor_parallel_split(p) is None]),
+        "grad_bytes": grad_bytes[0],
+        "optim_bytes": tensor_bytes(state),
+        "activation_bytes": activations.first_micro_batch_bytes,
+        "activation_peak_bytes": activations.peak_bytes,
+        "live_micro_batches": activations.peak_micro_batches,
+        "peak_rss_delta": peak_rss_delta,
+    }
+    return {
+        "step_s": as_tensor(step_s),
+        "exchange_s": as_tensor(exchange_s),
+        "schedule_start": as_tensor(schedule_start),
+        "schedule_end": as_tensor(schedule_end),
+        "memory": torch.tensor([memory[k] for k in MEMORY_KEYS], dtype=torch.int64),
+    }
 
 
 def as_tensor(values: list[float]) -> torch.Tensor:
@@ -316,13 +371,19 @@ def pipeline_idle(micro_batches: int, results: list[dict[str, torch.Tensor]]) ->
     busy_s = torch.stack([r["schedule_end"] - r["schedule_start"] - r["exchange_s"] for r in results])
     cost_s = busy_s / micro_batches
     expected_window_s = (micro_batches - 1) * cost_s.amax(0) + cost_s.sum(0)
-    return [{"idle": statistics.median((1 - busy_s[s] / window_s).tolist()),
-             "expected": statistics.median((1 - micro_batches * cost_s[s] / expected_window_s).tolist()),
-             "exchange_of_schedule": statistics.median((r["exchange_s"] / (r["schedule_end"] - r["schedule_start"])).tolist()),
-             "busy_ms": 1000 * statistics.median(busy_s[s].tolist()),
-             "exchange_ms": 1000 * statistics.median(r["exchange_s"].tolist()),
-             "window_ms": 1000 * statistics.median(window_s.tolist())}
-            for s, r in enumerate(results)]
+    return [
+        {
+            "idle": statistics.median((1 - busy_s[s] / window_s).tolist()),
+            "expected": statistics.median((1 - micro_batches * cost_s[s] / expected_window_s).tolist()),
+            "exchange_of_schedule": statistics.median(
+                (r["exchange_s"] / (r["schedule_end"] - r["schedule_start"])).tolist()
+            ),
+            "busy_ms": 1000 * statistics.median(busy_s[s].tolist()),
+            "exchange_ms": 1000 * statistics.median(r["exchange_s"].tolist()),
+            "window_ms": 1000 * statistics.median(window_s.tolist()),
+        }
+        for s, r in enumerate(results)
+    ]
 
 
 def one_run(round_index: int, layout: Layout, corpus: str, warmup: int, steps: int) -> dict:
@@ -332,14 +393,22 @@ def one_run(round_index: int, layout: Layout, corpus: str, warmup: int, steps: i
     results = run_distributed(rank_run, RANKS, layout, corpus, *run_length(layout, warmup, steps))
     # a step ends at a collective both ranks join: take the slower rank per step
     step_s = torch.stack([r["step_s"] for r in results]).amax(0).tolist()
-    run = {"layout": layout.name, "round": round_index, "step_s": step_s, "median_s": statistics.median(step_s),
-           "wall_s": time.perf_counter() - started,
-           "memory_per_rank": [dict(zip(MEMORY_KEYS, r["memory"].tolist())) for r in results]}
+    run = {
+        "layout": layout.name,
+        "round": round_index,
+        "step_s": step_s,
+        "median_s": statistics.median(step_s),
+        "wall_s": time.perf_counter() - started,
+        "memory_per_rank": [dict(zip(MEMORY_KEYS, r["memory"].tolist())) for r in results],
+    }
     if layout.pp_size > 1:
         run["stages"] = pipeline_idle(layout.micro_batches, results)
     idle = "".join(f", stage {s} idle {stage['idle']:.3f}" for s, stage in enumerate(run.get("stages", [])))
-    print(f"round {round_index} {layout.name}: median step {1000 * run['median_s']:.0f} ms{idle} "
-          f"({run['wall_s']:.0f} s with start-up)", flush=True)
+    print(
+        f"round {round_index} {layout.name}: median step {1000 * run['median_s']:.0f} ms{idle} "
+        f"({run['wall_s']:.0f} s with start-up)",
+        flush=True,
+    )
     return run
 
 
@@ -353,20 +422,37 @@ def summarise(layouts: tuple[Layout, ...], runs: list[dict]) -> list[dict]:
         # tensor byte counts are the same every run; the RSS peak is each rank's median over the runs
         per_rank = [dict(rank) for rank in mine[0]["memory_per_rank"]]
         for rank, memory in enumerate(per_rank):
-            memory["peak_rss_delta"] = int(statistics.median(r["memory_per_rank"][rank]["peak_rss_delta"] for r in mine))
+            memory["peak_rss_delta"] = int(
+                statistics.median(r["memory_per_rank"][rank]["peak_rss_delta"] for r in mine)
+            )
         ratios = [median_s[layout.name, r] / median_s[layout.baseline, r] for r in rounds]
         step_ms = 1000 * statistics.median(r["median_s"] for r in mine)
-        row = {"layout": layout.name, "tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size,
-               "moe": layout.moe, "ep": layout.ep_size, "expert_tp": layout.expert_tp_size,
-               "sequence_parallel": layout.sequence_parallel, "global_batch": layout.global_batch,
-               "micro_batches": layout.micro_batches, "baseline": layout.baseline, "step_ms": step_ms,
-               "tokens_per_s": layout.global_batch * MODEL["seq_length"] / (step_ms / 1000),
-               "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-               "pipeline_bubble": pipeline_bubble(layout), "memory_per_rank": per_rank,
-               **{key: max(memory[key] for memory in per_rank) for key in MEMORY_KEYS}}
+        row = {
+            "layout": layout.name,
+            "tp": layout.tp_size,
+            "pp": layout.pp_size,
+            "dp": layout.dp_size,
+            "moe": layout.moe,
+            "ep": layout.ep_size,
+            "expert_tp": layout.expert_tp_size,
+            "sequence_parallel": layout.sequence_parallel,
+            "global_batch": layout.global_batch,
+            "micro_batches": layout.micro_batches,
+            "baseline": layout.baseline,
+            "step_ms": step_ms,
+            "tokens_per_s": layout.global_batch * MODEL["seq_length"] / (step_ms / 1000),
+            "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "pipeline_bubble": pipeline_bubble(layout),
+            "memory_per_rank": per_rank,
+            **{key: max(memory[key] for memory in per_rank) for key in MEMORY_KEYS},
+        }
         if layout.pp_size > 1:
-            row["stages"] = [{key: statistics.median(r["stages"][s][key] for r in mine) for key in mine[0]["stages"][s]}
-                             for s in range(layout.pp_size)]  # medians over the runs of the runs' medians
+            row["stages"] = [
+                {key: statistics.median(r["stages"][s][key] for r in mine) for key in mine[0]["stages"][s]}
+                for s in range(layout.pp_size)
+            ]  # medians over the runs of the runs' medians
             row["idle_min"] = [min(r["stages"][s]["idle"] for r in mine) for s in range(layout.pp_size)]
             row["idle_max"] = [max(r["stages"][s]["idle"] for r in mine) for s in range(layout.pp_size)]
             row["idle_mean"] = statistics.mean(stage["idle"] for stage in row["stages"])  # the pipeline's bubble
@@ -374,7 +460,14 @@ def summarise(layouts: tuple[Layout, ...], runs: list[dict]) -> list[dict]:
     rows_by_name = {row["layout"]: row for row in rows}
     for row in rows:
         base = rows_by_name[by_name[row["layout"]].baseline]
-        for key in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "activation_peak_bytes", "peak_rss_delta"):
+        for key in (
+            "param_bytes",
+            "grad_bytes",
+            "optim_bytes",
+            "activation_bytes",
+            "activation_peak_bytes",
+            "peak_rss_delta",
+        ):
             row[f"{key.removesuffix('_bytes')}_vs_dp"] = row[key] / base[key]
     return rows
 
@@ -388,44 +481,60 @@ def pipeline_bubble(layout: Layout) -> float | None:
 
 def print_table(rows: list[dict]) -> None:
     mib = 2**20
-    print(f"\n{'layout':>10} {'m':>2} {'step ms':>8} {'tok/s':>6} {'ratio':>6} {'range':>11} {'params':>7} {'split':>6} "
-          f"{'whole':>6} {'grads':>6} {'optim':>6} {'act/mb':>6} {'act pk':>6} {'live':>4} {'peak RSS':>8}"
-          f"   (MiB per rank, the larger rank's; x = vs DP=2 of the same model and global batch; split: "
-          f"tensor-parallel slices, the experts' under ETP)")
+    print(
+        f"\n{'layout':>10} {'m':>2} {'step ms':>8} {'tok/s':>6} {'ratio':>6} {'range':>11} {'params':>7} {'split':>6} "
+        f"{'whole':>6} {'grads':>6} {'optim':>6} {'act/mb':>6} {'act pk':>6} {'live':>4} {'peak RSS':>8}"
+        f"   (MiB per rank, the larger rank's; x = vs DP=2 of the same model and global batch; split: "
+        f"tensor-parallel slices, the experts' under ETP)"
+    )
 
     def memory_columns(m: dict) -> str:
-        return (f"{m['param_bytes'] / mib:7.1f} {m['split_param_bytes'] / mib:6.1f} {m['whole_param_bytes'] / mib:6.2f} "
-                f"{m['grad_bytes'] / mib:6.1f} {m['optim_bytes'] / mib:6.1f} {m['activation_bytes'] / mib:6.1f} "
-                f"{m['activation_peak_bytes'] / mib:6.1f} {m['live_micro_batches']:4d} {m['peak_rss_delta'] / mib:8.0f}")
+        return (
+            f"{m['param_bytes'] / mib:7.1f} {m['split_param_bytes'] / mib:6.1f} {m['whole_param_bytes'] / mib:6.2f} "
+            f"{m['grad_bytes'] / mib:6.1f} {m['optim_bytes'] / mib:6.1f} {m['activation_bytes'] / mib:6.1f} "
+            f"{m['activation_peak_bytes'] / mib:6.1f} {m['live_micro_batches']:4d} {m['peak_rss_delta'] / mib:8.0f}"
+        )
 
     for r in rows:
-        print(f"{r['layout']:>10} {r['micro_batches']:2d} {r['step_ms']:8.0f} {r['tokens_per_s']:6.0f} {r['ratio']:6.3f} "
-              f"{r['ratio_min']:5.3f}-{r['ratio_max']:.3f} {memory_columns(r)}")
+        print(
+            f"{r['layout']:>10} {r['micro_batches']:2d} {r['step_ms']:8.0f} {r['tokens_per_s']:6.0f} {r['ratio']:6.3f} "
+            f"{r['ratio_min']:5.3f}-{r['ratio_max']:.3f} {memory_columns(r)}"
+        )
         if r["layout"] != r["baseline"]:
-            print(f"{'':>10} {'':>2} {'':>8} {'':>6} {'':>6} {'':>11} {r['param_vs_dp']:6.2f}x {'':>6} {'':>6} "
-                  f"{r['grad_vs_dp']:5.2f}x {r['optim_vs_dp']:5.2f}x {r['activation_vs_dp']:5.2f}x "
-                  f"{r['activation_peak_vs_dp']:5.2f}x {'':>4} {r['peak_rss_delta_vs_dp']:7.2f}x")
+            print(
+                f"{'':>10} {'':>2} {'':>8} {'':>6} {'':>6} {'':>11} {r['param_vs_dp']:6.2f}x {'':>6} {'':>6} "
+                f"{r['grad_vs_dp']:5.2f}x {r['optim_vs_dp']:5.2f}x {r['activation_vs_dp']:5.2f}x "
+                f"{r['activation_peak_vs_dp']:5.2f}x {'':>4} {r['peak_rss_delta_vs_dp']:7.2f}x"
+            )
         if r["pp"] > 1:
             for stage, memory in enumerate(r["memory_per_rank"]):
                 print(f"{f'stage {stage}':>10} {'':>2} {'':>8} {'':>6} {'':>6} {'':>11} {memory_columns(memory)}")
-    print("\npipeline bubble: a stage's idle fraction of the pipeline's window (first entry into the 1F1B schedule to "
-          "last exit; idle = not in its forwards and backwards), medians (range over runs); theory (P-1)/(m+P-1) for "
-          "equal stages, 'expected' for the stages' measured costs; 'blocked' = time in point-to-point exchanges / "
-          "the stage's own time in the schedule")
+    print(
+        "\npipeline bubble: a stage's idle fraction of the pipeline's window (first entry into the 1F1B schedule to "
+        "last exit; idle = not in its forwards and backwards), medians (range over runs); theory (P-1)/(m+P-1) for "
+        "equal stages, 'expected' for the stages' measured costs; 'blocked' = time in point-to-point exchanges / "
+        "the stage's own time in the schedule"
+    )
     for r in rows:
         if r["pp"] > 1:
-            print(f"{r['layout']:>10} m={r['micro_batches']}: theory {r['pipeline_bubble']:.3f}, mean of the stages "
-                  f"{r['idle_mean']:.3f}, window {r['stages'][0]['window_ms']:.0f} ms")
+            print(
+                f"{r['layout']:>10} m={r['micro_batches']}: theory {r['pipeline_bubble']:.3f}, mean of the stages "
+                f"{r['idle_mean']:.3f}, window {r['stages'][0]['window_ms']:.0f} ms"
+            )
             for s, stage in enumerate(r["stages"]):
-                print(f"{'':>10} stage {s}: idle {stage['idle']:.3f} ({r['idle_min'][s]:.3f}-{r['idle_max'][s]:.3f}), "
-                      f"expected {stage['expected']:.3f}, busy {stage['busy_ms']:.0f} ms, blocked "
-                      f"{stage['exchange_ms']:.0f} ms = {stage['exchange_of_schedule']:.3f} of its schedule")
+                print(
+                    f"{'':>10} stage {s}: idle {stage['idle']:.3f} ({r['idle_min'][s]:.3f}-{r['idle_max'][s]:.3f}), "
+                    f"expected {stage['expected']:.3f}, busy {stage['busy_ms']:.0f} ms, blocked "
+                    f"{stage['exchange_ms']:.0f} ms = {stage['exchange_of_schedule']:.3f} of its schedule"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (the 4x global batch a quarter, 2 at least)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="timed steps per run (the 4x global batch a quarter, 2 at least)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="runs of each layout, alternating")
     parser.add_argument("--output", default="benchmarks/results/parallel.json")
     args = parser.parse_args()
@@ -433,19 +542,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         corpus = write_corpus(Path(folder), documents=400, vocab=VOCAB, length=600)
         config = layout_config(corpus, BASELINE, 1)
-        print(f"GPT {config.model.num_layers} layers, h {config.model.hidden_size}, {config.model.num_attention_heads} "
-              f"heads, vocabulary {VOCAB + 1}, {RANKS} gloo ranks x 1 thread, global batch {GLOBAL_BATCH} = micro "
-              f"batch {MICRO_BATCH} x {MODEL['seq_length']} tokens x (DP or accumulation) {RANKS}; the bubble's "
-              f"pair at global batch {BUBBLE_LAYOUTS[0].global_batch}; the MoE group with {MOE['num_experts']} "
-              f"experts top-{MOE['topk']} dropless in every other layer")
+        print(
+            f"GPT {config.model.num_layers} layers, h {config.model.hidden_size}, {config.model.num_attention_heads} "
+            f"heads, vocabulary {VOCAB + 1}, {RANKS} gloo ranks x 1 thread, global batch {GLOBAL_BATCH} = micro "
+            f"batch {MICRO_BATCH} x {MODEL['seq_length']} tokens x (DP or accumulation) {RANKS}; the bubble's "
+            f"pair at global batch {BUBBLE_LAYOUTS[0].global_batch}; the MoE group with {MOE['num_experts']} "
+            f"experts top-{MOE['topk']} dropless in every other layer"
+        )
         runs = [one_run(r, layout, corpus, args.warmup, args.steps) for r, layout in interleaved(layouts, args.rounds)]
     rows = summarise(layouts, runs)
     print_table(rows)
-    report = {"machine": platform.machine(), "cpu": cpu_name(), "ranks": RANKS, "threads_per_rank": 1,
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-              "model": {**MODEL, "vocab_size": VOCAB + 1, "parameters": rows[0]["param_bytes"] // 4},  # fp32, whole under DP
-              "micro_batch": MICRO_BATCH, "global_batch": GLOBAL_BATCH,
-              "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "rows": rows, "runs": runs}
+    report = {
+        "machine": platform.machine(),
+        "cpu": cpu_name(),
+        "ranks": RANKS,
+        "threads_per_rank": 1,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "model": {**MODEL, "vocab_size": VOCAB + 1, "parameters": rows[0]["param_bytes"] // 4},  # fp32, whole under DP
+        "micro_batch": MICRO_BATCH,
+        "global_batch": GLOBAL_BATCH,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "rows": rows,
+        "runs": runs,
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

@@ -62,7 +62,15 @@ from benchmarks import offload
 from benchmarks.aio import default_folder, fs_type, machine
 from benchmarks.moe_layer import proc_status_bytes
 from benchmarks.offload import (
-    AIO, HYPER, LinearStack, meminfo_bytes, measure_disk, short, time_optimizer, train_step, warm_up_vml,
+    AIO,
+    HYPER,
+    LinearStack,
+    measure_disk,
+    meminfo_bytes,
+    short,
+    time_optimizer,
+    train_step,
+    warm_up_vml,
 )
 from benchmarks.zero import tensor_bytes
 from megatron.ops.io_bench import check_folder, drop_page_cache
@@ -103,8 +111,13 @@ def runtime_config(variant: Variant, folder: Path, hidden: int, sub_group_size: 
         zero["stage3_prefetch_bucket_size"] = 0
     if variant.offload_params:
         # a chunk's read window can start one 4 KiB block early: one layer plus a block
-        zero["offload_param"] = {"device": "nvme", "nvme_path": str(folder), "max_in_cpu": 0,
-                                 "buffer_count": variant.param_buffers, "buffer_size": align_up(hidden**2) + ALIGN}
+        zero["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": str(folder),
+            "max_in_cpu": 0,
+            "buffer_count": variant.param_buffers,
+            "buffer_size": align_up(hidden**2) + ALIGN,
+        }
     return config
 
 
@@ -173,15 +186,21 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     steps = [train_step(engine, x_BH) for _ in range(spec["steps"])]
     io_after = disk_io()
     record = {
-        "compute_s": [s[0] for s in steps], "engine_step_s": [s[1] for s in steps],
-        "step_s": [s[0] + s[1] for s in steps], "optimizer_s": optimizer_s[1:],
+        "compute_s": [s[0] for s in steps],
+        "engine_step_s": [s[1] for s in steps],
+        "step_s": [s[0] + s[1] for s in steps],
+        "optimizer_s": optimizer_s[1:],
         "losses": [warmup_loss] + [s[2] for s in steps],
         "read_bytes_per_step": (io_after["read"] - io_before["read"]) / spec["steps"],
         "write_bytes_per_step": (io_after["write"] - io_before["write"]) / spec["steps"],
         "page_cache_growth_bytes": meminfo_bytes("Cached") - cached_before,
         "peak_live_numel": engine.strategy.gatherer.peak_live_numel if engine.strategy.gatherer else 0,
-        "base_rss": base_rss, "build_rss": build_rss, "build_peak_rss": build_peak_rss, "warm_rss": warm_rss,
-        "steps_peak_rss": proc_status_bytes("VmHWM"), "rss": proc_status_bytes("VmRSS"),
+        "base_rss": base_rss,
+        "build_rss": build_rss,
+        "build_peak_rss": build_peak_rss,
+        "warm_rss": warm_rss,
+        "steps_peak_rss": proc_status_bytes("VmHWM"),
+        "rss": proc_status_bytes("VmRSS"),
         **host_memory(engine),
     }
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what glibc keeps of freed memory is not the engine's
@@ -205,21 +224,33 @@ def describe(name: str, result: dict[str, Any]) -> str:
     if name == "disk":
         return f"disk: write {result['write_gbps']:.2f} GB/s, read {result['read_gbps']:.2f} GB/s"
     ms = {k: 1000 * statistics.median(result[f"{k}_s"]) for k in ("step", "compute", "engine_step")}
-    return (f"{name}: step {ms['step']:.0f} ms (fwd+bwd {ms['compute']:.0f}, engine.step {ms['engine_step']:.0f}), "
-            f"RSS {result['rss'] / GiB:.2f} GiB")
+    return (
+        f"{name}: step {ms['step']:.0f} ms (fwd+bwd {ms['compute']:.0f}, engine.step {ms['engine_step']:.0f}), "
+        f"RSS {result['rss'] / GiB:.2f} GiB"
+    )
 
 
 def run_rounds(args: argparse.Namespace, todo: list[Variant], folder: Path, flush: bool) -> list[dict[str, Any]]:
     """Every variant and the disk once per round, starting one later in the list each round."""
     disk_bytes = 8 * args.layers * args.hidden**2 // MiB * MiB  # as benchmarks/offload.py: whole MiB
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
-        v.name: partial(run_child, {"variant": asdict(v), "layers": args.layers, "hidden": args.hidden,
-                                    "folder": str(folder), "steps": args.steps, "sub_group_size": args.sub_group_size})
-        for v in todo}
+        v.name: partial(
+            run_child,
+            {
+                "variant": asdict(v),
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "folder": str(folder),
+                "steps": args.steps,
+                "sub_group_size": args.sub_group_size,
+            },
+        )
+        for v in todo
+    }
     jobs["disk"] = partial(measure_disk, folder, disk_bytes, flush)
     names, rounds = list(jobs), []
     for index in range(args.rounds):
-        order = names[index % len(names):] + names[:index % len(names)]
+        order = names[index % len(names) :] + names[: index % len(names)]
         record: dict[str, Any] = {"order": order, "load_average": os.getloadavg()[0]}
         for name in order:
             started = time.perf_counter()
@@ -253,51 +284,97 @@ def summarise(todo: list[Variant], rounds: list[dict[str, Any]], numel: int) -> 
     rows = []
     for v in todo:
         runs = [r[v.name] for r in rounds]
-        row = {**asdict(v), **{f"{k}_ms": 1000 * median_of_medians(rounds, v.name, f"{k}_s")
-                               for k in ("step", "compute", "engine_step", "optimizer")},
-               "step_ms_rounds": [1000 * s for s in step[v.name]]}
-        for key in ("build_peak_rss", "steps_peak_rss", "warm_rss", "rss", "trimmed_rss", "read_bytes_per_step",
-                    "write_bytes_per_step", "page_cache_growth_bytes", "base_rss", "build_rss"):
+        row = {
+            **asdict(v),
+            **{
+                f"{k}_ms": 1000 * median_of_medians(rounds, v.name, f"{k}_s")
+                for k in ("step", "compute", "engine_step", "optimizer")
+            },
+            "step_ms_rounds": [1000 * s for s in step[v.name]],
+        }
+        for key in (
+            "build_peak_rss",
+            "steps_peak_rss",
+            "warm_rss",
+            "rss",
+            "trimmed_rss",
+            "read_bytes_per_step",
+            "write_bytes_per_step",
+            "page_cache_growth_bytes",
+            "base_rss",
+            "build_rss",
+        ):
             row[key] = statistics.median(run[key] for run in runs)
-        row.update({k: runs[0][k] for k in ("master_bytes", "grad_bytes", "optimizer_buffer_bytes", "param_buffer_bytes",
-                                            "swap_buffer_bytes", "optimizer_file_bytes", "param_file_bytes",
-                                            "swapped_numel", "resident_numel", "peak_live_numel")})
+        row.update(
+            {
+                k: runs[0][k]
+                for k in (
+                    "master_bytes",
+                    "grad_bytes",
+                    "optimizer_buffer_bytes",
+                    "param_buffer_bytes",
+                    "swap_buffer_bytes",
+                    "optimizer_file_bytes",
+                    "param_file_bytes",
+                    "swapped_numel",
+                    "resident_numel",
+                    "peak_live_numel",
+                )
+            }
+        )
         rows.append(row)
-    disk = {"read_gbps": statistics.median(r["disk"]["read_gbps"] for r in rounds),
-            "write_gbps": statistics.median(r["disk"]["write_gbps"] for r in rounds),
-            "reference_read_bytes": read, "reference_write_bytes": written,
-            "io_ms": 1000 * statistics.median(io_s), "io_ms_rounds": [1000 * s for s in io_s]}
+    disk = {
+        "read_gbps": statistics.median(r["disk"]["read_gbps"] for r in rounds),
+        "write_gbps": statistics.median(r["disk"]["write_gbps"] for r in rounds),
+        "reference_read_bytes": read,
+        "reference_write_bytes": written,
+        "io_ms": 1000 * statistics.median(io_s),
+        "io_ms_rounds": [1000 * s for s in io_s],
+    }
     same = all(len({tuple(r[v.name]["losses"]) for v in todo}) == 1 for r in rounds)
     return {"disk": disk, "rows": rows, "ratios": ratios, "same_losses_in_every_variant": same}
 
 
 def print_tables(summary: dict[str, Any], numel: int, sub_group_size: int) -> None:
     disk = summary["disk"]
-    print(f"\n{numel:,} parameters; optimizer: moments on NVMe, pipelined, sub_group_size {short(sub_group_size)}, "
-          f"3 buffers; disk write {disk['write_gbps']:.2f} GB/s, cold read {disk['read_gbps']:.2f} GB/s -> "
-          f"reference I/O of 'params nvme' ({disk['reference_read_bytes'] / 1e9:.2f} GB read + "
-          f"{disk['reference_write_bytes'] / 1e9:.2f} GB written) {disk['io_ms']:.0f} ms; "
-          f"losses identical across variants: {summary['same_losses_in_every_variant']}")
-    print("\n| variant | step ms | fwd+bwd ms | engine.step ms | read GB/step | written GB/step | master in host MiB "
-          "| grads MiB | swap buffers MiB (optimizer + params) | swap files GiB |")
+    print(
+        f"\n{numel:,} parameters; optimizer: moments on NVMe, pipelined, sub_group_size {short(sub_group_size)}, "
+        f"3 buffers; disk write {disk['write_gbps']:.2f} GB/s, cold read {disk['read_gbps']:.2f} GB/s -> "
+        f"reference I/O of 'params nvme' ({disk['reference_read_bytes'] / 1e9:.2f} GB read + "
+        f"{disk['reference_write_bytes'] / 1e9:.2f} GB written) {disk['io_ms']:.0f} ms; "
+        f"losses identical across variants: {summary['same_losses_in_every_variant']}"
+    )
+    print(
+        "\n| variant | step ms | fwd+bwd ms | engine.step ms | read GB/step | written GB/step | master in host MiB "
+        "| grads MiB | swap buffers MiB (optimizer + params) | swap files GiB |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in summary["rows"]:
-        print(f"| {r['name']} | {r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['engine_step_ms']:.0f} "
-              f"| {r['read_bytes_per_step'] / 1e9:.2f} | {r['write_bytes_per_step'] / 1e9:.2f} "
-              f"| {r['master_bytes'] / MiB:.0f} | {r['grad_bytes'] / MiB:.0f} "
-              f"| {r['swap_buffer_bytes'] / MiB:.0f} ({r['optimizer_buffer_bytes'] / MiB:.0f} + "
-              f"{r['param_buffer_bytes'] / MiB:.0f}) | {(r['optimizer_file_bytes'] + r['param_file_bytes']) / GiB:.2f} |")
+        print(
+            f"| {r['name']} | {r['step_ms']:.0f} | {r['compute_ms']:.0f} | {r['engine_step_ms']:.0f} "
+            f"| {r['read_bytes_per_step'] / 1e9:.2f} | {r['write_bytes_per_step'] / 1e9:.2f} "
+            f"| {r['master_bytes'] / MiB:.0f} | {r['grad_bytes'] / MiB:.0f} "
+            f"| {r['swap_buffer_bytes'] / MiB:.0f} ({r['optimizer_buffer_bytes'] / MiB:.0f} + "
+            f"{r['param_buffer_bytes'] / MiB:.0f}) | {(r['optimizer_file_bytes'] + r['param_file_bytes']) / GiB:.2f} |"
+        )
     # a step's peak above the steady state: what it allocates on top (gathered parameters, gradients)
-    print("\n| variant | peak RSS building GiB | RSS after warm-up GiB | peak RSS in steps GiB (above warm-up) "
-          "| RSS after steps GiB | after malloc_trim GiB | peak live params (gatherer) MiB |")
+    print(
+        "\n| variant | peak RSS building GiB | RSS after warm-up GiB | peak RSS in steps GiB (above warm-up) "
+        "| RSS after steps GiB | after malloc_trim GiB | peak live params (gatherer) MiB |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in summary["rows"]:
-        print(f"| {r['name']} | {r['build_peak_rss'] / GiB:.2f} | {r['warm_rss'] / GiB:.2f} | {r['steps_peak_rss'] / GiB:.2f} "
-              f"({(r['steps_peak_rss'] - r['warm_rss']) / MiB:+.0f} MiB) | {r['rss'] / GiB:.2f} | {r['trimmed_rss'] / GiB:.2f} "
-              f"| {4 * r['peak_live_numel'] / MiB:.0f} |")
-    labels = {"nvme_over_bound": "params nvme / max(params in memory, reference I/O)",
-              "nvme_over_memory": "params nvme / params in memory",
-              "no-prefetch_over_nvme": "no read-ahead / params nvme", "2-buffers_over_nvme": "2 buffers / params nvme"}
+        print(
+            f"| {r['name']} | {r['build_peak_rss'] / GiB:.2f} | {r['warm_rss'] / GiB:.2f} | {r['steps_peak_rss'] / GiB:.2f} "
+            f"({(r['steps_peak_rss'] - r['warm_rss']) / MiB:+.0f} MiB) | {r['rss'] / GiB:.2f} | {r['trimmed_rss'] / GiB:.2f} "
+            f"| {4 * r['peak_live_numel'] / MiB:.0f} |"
+        )
+    labels = {
+        "nvme_over_bound": "params nvme / max(params in memory, reference I/O)",
+        "nvme_over_memory": "params nvme / params in memory",
+        "no-prefetch_over_nvme": "no read-ahead / params nvme",
+        "2-buffers_over_nvme": "2 buffers / params nvme",
+    }
     print("\n| ratio of step times | median | per round |\n| --- | ---: | --- |")
     for key, value in summary["ratios"].items():
         print(f"| {labels[key]} | {value['median']:.2f} | {', '.join(f'{v:.2f}' for v in value['rounds'])} |")
@@ -308,7 +385,11 @@ def swap_folder(requested: Path | None) -> tuple[Path, bool]:
     tmpfs, which has no O_DIRECT); whether it was made here."""
     if requested is None:
         temp = Path(tempfile.gettempdir())
-        made = default_folder() if fs_type(temp) == "tmpfs" else Path(tempfile.mkdtemp(prefix="param_offload_bench_", dir=temp))
+        made = (
+            default_folder()
+            if fs_type(temp) == "tmpfs"
+            else Path(tempfile.mkdtemp(prefix="param_offload_bench_", dir=temp))
+        )
         return made, True
     requested.mkdir(parents=True, exist_ok=True)
     if fs_type(requested) == "tmpfs":
@@ -318,8 +399,12 @@ def swap_folder(requested: Path | None) -> tuple[Path, bool]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, help="swap folder (default: a new folder under the temp dir, or "
-                        "beside the repository when that is a tmpfs; removed at the end)")
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        help="swap folder (default: a new folder under the temp dir, or "
+        "beside the repository when that is a tmpfs; removed at the end)",
+    )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--sub-group-size", type=float, default=5e7, help="the optimizer's sub_group_size")
@@ -338,8 +423,11 @@ def main() -> None:
     folder, made_folder = swap_folder(args.folder)
     check_folder(folder, 4 * 2 * numel + 8 * numel + GiB)  # master and moments, the disk test's file, slack
     info, flush = machine(folder), drop_page_cache()
-    print(f"{numel:,} parameters ({args.layers} x {args.hidden}^2), {torch.get_num_threads()} threads; swap folder "
-          f"{folder} on {info['device']} ({info['filesystem']}); aio {AIO.describe()}; cold disk reads: {flush}", flush=True)
+    print(
+        f"{numel:,} parameters ({args.layers} x {args.hidden}^2), {torch.get_num_threads()} threads; swap folder "
+        f"{folder} on {info['device']} ({info['filesystem']}); aio {AIO.describe()}; cold disk reads: {flush}",
+        flush=True,
+    )
     started = time.perf_counter()
     try:
         rounds = run_rounds(args, todo, folder, flush)
@@ -348,11 +436,21 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
     summary = summarise(todo, rounds, numel)
     print_tables(summary, numel, args.sub_group_size)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info,
-              "threads": torch.get_num_threads(), "aio": asdict(AIO), "cold_disk_reads": flush,
-              "model": {"layers": args.layers, "hidden": args.hidden, "parameters": numel},
-              "sub_group_size": args.sub_group_size, "hyperparameters": HYPER, "steps": args.steps,
-              "rounds_count": args.rounds, "wall_s": time.perf_counter() - started, **summary, "rounds": rounds}
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": info,
+        "threads": torch.get_num_threads(),
+        "aio": asdict(AIO),
+        "cold_disk_reads": flush,
+        "model": {"layers": args.layers, "hidden": args.hidden, "parameters": numel},
+        "sub_group_size": args.sub_group_size,
+        "hyperparameters": HYPER,
+        "steps": args.steps,
+        "rounds_count": args.rounds,
+        "wall_s": time.perf_counter() - started,
+        **summary,
+        "rounds": rounds,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

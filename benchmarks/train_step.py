@@ -42,10 +42,17 @@ def bare_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
 
 def measure(name: str, shape: dict, corpus: str, steps: int, rounds: int) -> dict:
     iters = (steps * rounds + 1) * 2 + 4
-    config = tiny_config(corpus, train_iters=iters, global_batch_size=shape["micro_batch_size"],
-                         hidden_dropout=0.0, attention_dropout=0.0, num_workers=0, max_position_embeddings=shape["seq_length"],
-                         **{k: v for k, v in shape.items() if k != "micro_batch_size"},
-                         micro_batch_size=shape["micro_batch_size"])
+    config = tiny_config(
+        corpus,
+        train_iters=iters,
+        global_batch_size=shape["micro_batch_size"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_workers=0,
+        max_position_embeddings=shape["seq_length"],
+        **{k: v for k, v in shape.items() if k != "micro_batch_size"},
+        micro_batch_size=shape["micro_batch_size"],
+    )
     with redirect_stdout(io.StringIO()):
         trainer = Trainer(config, build_parallel_grid(torch.device("cpu")))
     data_iter = trainer.loader(trainer.train_data, 0)
@@ -70,10 +77,18 @@ def measure(name: str, shape: dict, corpus: str, steps: int, rounds: int) -> dic
     ratios = [o / b for o, b in zip(ours_times, bare_times)]
     tokens = shape["micro_batch_size"] * shape["seq_length"]
     params = sum(p.numel() for p in bare_model.parameters())
-    return {"config": name, "parameters": params, "tokens_per_step": tokens,
-            "ours_ms": 1000 * ours, "bare_ms": 1000 * bare, "ratio": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "ours_tokens_per_s": tokens / ours, "bare_tokens_per_s": tokens / bare}
+    return {
+        "config": name,
+        "parameters": params,
+        "tokens_per_step": tokens,
+        "ours_ms": 1000 * ours,
+        "bare_ms": 1000 * bare,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ours_tokens_per_s": tokens / ours,
+        "bare_tokens_per_s": tokens / bare,
+    }
 
 
 def main() -> None:
@@ -88,10 +103,17 @@ def main() -> None:
         rows = [measure(name, CONFIGS[name], corpus, args.steps, args.rounds) for name in args.configs]
     print(f"{'config':8} {'params':>10} {'ours ms':>9} {'bare ms':>9} {'ratio':>6} {'range':>13} {'ours tok/s':>11}")
     for r in rows:
-        print(f"{r['config']:8} {r['parameters']:>10,} {r['ours_ms']:9.1f} {r['bare_ms']:9.1f} {r['ratio']:6.3f} "
-              f"{r['ratio_min']:6.3f}-{r['ratio_max']:.3f} {r['ours_tokens_per_s']:11.0f}")
-    report = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+        print(
+            f"{r['config']:8} {r['parameters']:>10,} {r['ours_ms']:9.1f} {r['bare_ms']:9.1f} {r['ratio']:6.3f} "
+            f"{r['ratio_min']:6.3f}-{r['ratio_max']:.3f} {r['ours_tokens_per_s']:11.0f}"
+        )
+    report = {
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

@@ -17,19 +17,26 @@ import torch
 
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
+from megatron.checkpoint.tensors import ShardedReader, expert_ids
 from megatron.config.distill_flags import DistillConfig
 from megatron.errors import CheckpointError, ConfigError
-from megatron.inference.checkpoint_model import build_saved_model, checkpoint_folder, model_config_from_state, read_client_state
+from megatron.inference.checkpoint_model import (
+    build_saved_model,
+    checkpoint_folder,
+    model_config_from_state,
+    read_client_state,
+)
 from megatron.inference.mode import inference_config
 from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.tensor_parallel import TensorParallel, local_part
 from megatron.parallel import ParallelGrid
 from megatron.runtime.engine import Engine
-from megatron.checkpoint.tensors import ShardedReader, expert_ids
 
 
-def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, grid: ParallelGrid) -> tuple[Path, GPTConfig]:
+def teacher_checkpoint(
+    cfg: DistillConfig, student: GPTConfig, seq_length: int, grid: ParallelGrid
+) -> tuple[Path, GPTConfig]:
     """The teacher's checkpoint folder and saved config, checked against the teacher flags and the
     student (vocabulary, positions, expert-parallel size) before anything is built."""
     if read_latest(cfg.load_teacher)[0] is None:
@@ -42,28 +49,39 @@ def teacher_checkpoint(cfg: DistillConfig, student: GPTConfig, seq_length: int, 
     saved = model_config_from_state(client["model_config"], folder)
     wrong = cfg.teacher.mismatches(saved)
     if wrong:
-        raise ConfigError(f"the teacher checkpoint {folder} does not match the teacher flags ({'; '.join(wrong)}); "
-                          "fix the --*-teacher flags or --load-teacher")
+        raise ConfigError(
+            f"the teacher checkpoint {folder} does not match the teacher flags ({'; '.join(wrong)}); "
+            "fix the --*-teacher flags or --load-teacher"
+        )
     teacher_tokenizer = client["flags"].get("tokenizer_type")
     if saved.vocab_size != student.vocab_size:
         raise ConfigError(
             f"the teacher's vocabulary has {saved.vocab_size} (padded) entries from its {teacher_tokenizer} but the "
             f"student's has {student.vocab_size}; train the student with the teacher's tokenizer flags"
-            + (" and a --make-vocab-size-divisible-by that pads the vocabulary to the teacher's at this "
-               "--tensor-model-parallel-size" if grid.tp_size > 1 else "")
+            + (
+                " and a --make-vocab-size-divisible-by that pads the vocabulary to the teacher's at this "
+                "--tensor-model-parallel-size"
+                if grid.tp_size > 1
+                else ""
+            )
         )
     if saved.position_embedding_type == "learned_absolute" and saved.max_position_embeddings < seq_length:
-        raise ConfigError(f"the teacher has {saved.max_position_embeddings} positions but --seq-length is {seq_length}; "
-                          f"use a --seq-length of at most {saved.max_position_embeddings}")
+        raise ConfigError(
+            f"the teacher has {saved.max_position_embeddings} positions but --seq-length is {seq_length}; "
+            f"use a --seq-length of at most {saved.max_position_embeddings}"
+        )
     uneven = [count for count in saved.experts_per_layer if count > 1 and count % grid.ep_size]
     if uneven:
-        raise ConfigError(f"the teacher's {uneven[0]} experts cannot be split over --moe-expert-parallel-size {grid.ep_size}; "
-                          "choose an expert-parallel size that divides every teacher and student layer's expert count")
+        raise ConfigError(
+            f"the teacher's {uneven[0]} experts cannot be split over --moe-expert-parallel-size {grid.ep_size}; "
+            "choose an expert-parallel size that divides every teacher and student layer's expert count"
+        )
     return folder, saved
 
 
-def load_teacher(folder: Path, saved: GPTConfig, grid: ParallelGrid, dtype: torch.dtype | None,
-                 tp: TensorParallel = TensorParallel()) -> GPTModel:
+def load_teacher(
+    folder: Path, saved: GPTConfig, grid: ParallelGrid, dtype: torch.dtype | None, tp: TensorParallel = TensorParallel()
+) -> GPTModel:
     """The frozen teacher on `grid`, in eval mode, dropless, split as the student is (`tp`); in
     `dtype` when training in half precision (it is never updated, so it needs no fp32 master copy)."""
     teacher = build_saved_model(folder, inference_config(saved), grid, tp).requires_grad_(False)
@@ -71,15 +89,19 @@ def load_teacher(folder: Path, saved: GPTConfig, grid: ParallelGrid, dtype: torc
 
 
 def distillation_losses(
-    engine: Engine, teacher: GPTModel, batch: dict[str, torch.Tensor], temperature: float,
+    engine: Engine,
+    teacher: GPTModel,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
     hidden_BSH: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The student's masked-mean LM loss, its router loss, and the masked-mean T^2 * KL to the
     teacher; on a last pipeline stage from the previous stage's `hidden_BSH`."""
     with torch.no_grad(), engine.autocast():
         teacher_logits_BSV = teacher(batch["tokens"])
-    losses_BS, router_loss, logits_BSV = engine(batch["tokens"], labels_BS=batch["labels"], return_logits=True,
-                                                hidden_BSH=hidden_BSH)
+    losses_BS, router_loss, logits_BSV = engine(
+        batch["tokens"], labels_BS=batch["labels"], return_logits=True, hidden_BSH=hidden_BSH
+    )
     mask_BS = batch["loss_mask"]
     kd = masked_mean(kd_divergence_BS(logits_BSV, teacher_logits_BSV, temperature), mask_BS)
     return masked_mean(losses_BS, mask_BS), router_loss, kd
@@ -112,14 +134,18 @@ def init_student_from_teacher(student: GPTModel, folder: Path, teacher: GPTConfi
     Refused where the two models' options give same-shaped tensors different meanings."""
     differences = _meaning_differences(student.config, teacher)
     if differences:
-        raise ConfigError(f"--mos-init-from-teacher copies tensors by name and shape, but the teacher in {folder} is "
-                          f"built differently ({'; '.join(differences)}); give the student the teacher's model "
-                          "options or drop --mos-init-from-teacher")
+        raise ConfigError(
+            f"--mos-init-from-teacher copies tensors by name and shape, but the teacher in {folder} is "
+            f"built differently ({'; '.join(differences)}); give the student the teacher's model "
+            "options or drop --mos-init-from-teacher"
+        )
     teacher_shapes = _global_shapes(teacher)
     taken = {name for name, shape in _global_shapes(student.config).items() if teacher_shapes.get(name) == shape}
     if not taken:
-        raise ConfigError(f"no student weight has the shape of the teacher's in {folder}; "
-                          "--mos-init-from-teacher needs the same hidden size and vocabulary, drop it otherwise")
+        raise ConfigError(
+            f"no student weight has the shape of the teacher's in {folder}; "
+            "--mos-init-from-teacher needs the same hidden size and vocabulary, drop it otherwise"
+        )
     reader = ShardedReader(folder, "model")
     whole, partly = [], []
     with torch.no_grad():
@@ -133,9 +159,14 @@ def init_student_from_teacher(student: GPTModel, folder: Path, teacher: GPTConfi
             (whole if copied == len(names) else partly if copied else []).append(index + 1)
     others = sorted({name.split(".")[0] for name in taken if not name.startswith("layers.")})
     unused = range(student.config.num_layers + 1, teacher.num_layers + 1)
-    parts = [", ".join(others), f"layers {_spans(whole)} whole" if whole else "",
-             f"layers {_spans(partly)} partly (tensors of another shape, such as another expert count, stay fresh)"
-             if partly else "", f"teacher layers {_spans(list(unused))} unused" if unused else ""]
+    parts = [
+        ", ".join(others),
+        f"layers {_spans(whole)} whole" if whole else "",
+        f"layers {_spans(partly)} partly (tensors of another shape, such as another expert count, stay fresh)"
+        if partly
+        else "",
+        f"teacher layers {_spans(list(unused))} unused" if unused else "",
+    ]
     return f" > student initialised from the teacher {folder}: " + "; ".join(part for part in parts if part)
 
 

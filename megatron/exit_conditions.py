@@ -43,9 +43,11 @@ class ExitConditions:
         if not cfg.signal_handler and cfg.duration_minutes is None:
             return None
         minutes = (time.monotonic() - self.started) / 60
-        flags = torch.tensor([self.received is not None,
-                              cfg.duration_minutes is not None and minutes > cfg.duration_minutes],
-                             dtype=torch.float32, device=self.grid.device)
+        flags = torch.tensor(
+            [self.received is not None, cfg.duration_minutes is not None and minutes > cfg.duration_minutes],
+            dtype=torch.float32,
+            device=self.grid.device,
+        )
         if self.grid.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, timed_out = bool(flags[0]), bool(flags[1])

@@ -12,12 +12,22 @@ def _pretrain(argv: list[str] | None) -> TrainResult | None:
     config = parse_args(argv)
     if config.dry_run:  # no process group: the world size is what torchrun would start
         t = config.training
-        world = launched_world_size(t.expert_parallel_size, tp_size=t.tensor_parallel_size, pp_size=t.pipeline_parallel_size,
-                                    expert_tp_size=t.expert_tensor_parallel_size)
-        return dry_run(with_data_parallel_size(config, world // (t.tensor_parallel_size * t.pipeline_parallel_size)), world)
+        world = launched_world_size(
+            t.expert_parallel_size,
+            tp_size=t.tensor_parallel_size,
+            pp_size=t.pipeline_parallel_size,
+            expert_tp_size=t.expert_tensor_parallel_size,
+        )
+        return dry_run(
+            with_data_parallel_size(config, world // (t.tensor_parallel_size * t.pipeline_parallel_size)), world
+        )
     t = config.training
-    grid = build_parallel_grid(ep_size=t.expert_parallel_size, tp_size=t.tensor_parallel_size, pp_size=t.pipeline_parallel_size,
-                               expert_tp_size=t.expert_tensor_parallel_size)
+    grid = build_parallel_grid(
+        ep_size=t.expert_parallel_size,
+        tp_size=t.tensor_parallel_size,
+        pp_size=t.pipeline_parallel_size,
+        expert_tp_size=t.expert_tensor_parallel_size,
+    )
     return pretrain(with_data_parallel_size(config, grid.dp_size), grid)
 
 

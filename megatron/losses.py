@@ -12,7 +12,9 @@ def masked_mean(values_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
     return (values_BS * mask_BS).sum() / mask_BS.sum().clamp(min=1.0)
 
 
-def kd_divergence_BS(student_logits_BSV: torch.Tensor, teacher_logits_BSV: torch.Tensor, temperature: float) -> torch.Tensor:
+def kd_divergence_BS(
+    student_logits_BSV: torch.Tensor, teacher_logits_BSV: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """Per token T^2 * KL(softmax(teacher / T) || softmax(student / T)), in fp32. The T^2 keeps the
     gradient's size independent of T (Hinton et al.), so --kd-beta-ce means the same at any T."""
     student_BSV = F.log_softmax(student_logits_BSV.float() / temperature, dim=-1)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.parallel import all_reduce, is_parallel
 from megatron.model import GPTModel
 from megatron.model.moe import MoELayer
+from megatron.parallel import all_reduce, is_parallel
 
 STAT_KEYS = ("tokens_per_expert", "dropped", "routed", "entropy_sum", "tokens")
 
@@ -26,8 +26,11 @@ class LayerLoad:
 class MoEMonitor:
     def __init__(self, model: GPTModel) -> None:
         # numbered by global layer index: a pipeline stage holds some of the layers
-        self.layers = [(int(index) + 1, block.mlp) for index, block in model.layers.named_children()
-                       if isinstance(block.mlp, MoELayer)]
+        self.layers = [
+            (int(index) + 1, block.mlp)
+            for index, block in model.layers.named_children()
+            if isinstance(block.mlp, MoELayer)
+        ]
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
 
     def accumulate(self) -> None:
@@ -47,12 +50,15 @@ class MoEMonitor:
             all_reduce(flat, group)
             counts, dropped, routed, entropy, tokens = flat.split([flat.numel() - 4, 1, 1, 1, 1])
             mean = counts.mean().item()
-            loads.append(LayerLoad(
-                layer=number, tokens_per_expert=[int(c) for c in counts.tolist()],
-                imbalance=counts.max().item() / mean if mean > 0 else 0.0,
-                dropped_fraction=dropped.item() / max(routed.item(), 1.0),
-                router_entropy=entropy.item() / max(tokens.item(), 1.0),
-            ))
+            loads.append(
+                LayerLoad(
+                    layer=number,
+                    tokens_per_expert=[int(c) for c in counts.tolist()],
+                    imbalance=counts.max().item() / mean if mean > 0 else 0.0,
+                    dropped_fraction=dropped.item() / max(routed.item(), 1.0),
+                    router_entropy=entropy.item() / max(tokens.item(), 1.0),
+                )
+            )
         self.sums.clear()
         if not is_parallel(pp_group):
             return loads

@@ -35,6 +35,7 @@ class ParallelGrid:
     """This rank's size, place and group on every axis. In a multi-process run every group but
     `embedding_group` exists, single-rank ones included, so a raw `dist` call never falls back to
     the world group on a None."""
+
     world_size: int
     rank: int
     dp_size: int
@@ -88,12 +89,16 @@ class ParallelGrid:
     def checkpoint_owners(self) -> dict[str, bool]:
         """Which whole tensors this rank writes to a checkpoint: a pipeline stage's dense ones (gathered
         over tp) by its first rank, each expert's (gathered over expert-tp) by the first of its copies."""
-        return {"owns_dense": self.dp_rank == 0 and self.tp_rank == 0,
-                "owns_experts": self.expert_dp_rank == 0 and self.expert_tp_rank == 0}
+        return {
+            "owns_dense": self.dp_rank == 0 and self.tp_rank == 0,
+            "owns_experts": self.expert_dp_rank == 0 and self.expert_tp_rank == 0,
+        }
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size}; "
-                f"ep {self.ep_size} x etp {self.expert_tp_size} x expert-dp {self.expert_dp_size}")
+        return (
+            f"world {self.world_size} = tp {self.tp_size} x dp {self.dp_size} x pp {self.pp_size}; "
+            f"ep {self.ep_size} x etp {self.expert_tp_size} x expert-dp {self.expert_dp_size}"
+        )
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -112,6 +117,7 @@ class ParallelGrid:
 class RankLayout:
     """Every group of each kind as tuples of global ranks, in creation order. Each kind except
     `embedding` partitions the world; `embedding` is empty without pipeline parallelism."""
+
     tp: Groups
     dp: Groups
     pp: Groups
@@ -122,11 +128,16 @@ class RankLayout:
     expert_dp: Groups
 
 
-def check_parallel_sizes(world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
-                         expert_tp_size: int = 1) -> None:
+def check_parallel_sizes(
+    world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, expert_tp_size: int = 1
+) -> None:
     """Raise a ConfigError unless the parallel sizes tile `world_size` ranks."""
-    flags = {"--tensor-model-parallel-size": tp_size, "--pipeline-model-parallel-size": pp_size,
-             "--moe-expert-parallel-size": ep_size, "--expert-tensor-parallel-size": expert_tp_size}
+    flags = {
+        "--tensor-model-parallel-size": tp_size,
+        "--pipeline-model-parallel-size": pp_size,
+        "--moe-expert-parallel-size": ep_size,
+        "--expert-tensor-parallel-size": expert_tp_size,
+    }
     for flag, size in flags.items():
         if size < 1:
             raise ConfigError(f"{flag} {size} is not a parallel size; give a positive number of ranks")
@@ -151,8 +162,9 @@ def _axis_groups(shape: tuple[int, ...], axis: int) -> Groups:
     return tuple(tuple(range(start, start + size * stride, stride)) for start in starts)
 
 
-def rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1,
-                expert_tp_size: int = 1) -> RankLayout:
+def rank_layout(
+    world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1, expert_tp_size: int = 1
+) -> RankLayout:
     """Every process group of the grid, computed without torch.distributed."""
     check_parallel_sizes(world_size, tp_size, pp_size, ep_size, expert_tp_size)
     dp_size = world_size // (tp_size * pp_size)
@@ -160,10 +172,16 @@ def rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, ep_size: in
     experts = (expert_tp_size, ep_size, world_size // (pp_size * ep_size * expert_tp_size), pp_size)
     pp = _axis_groups(dense, 2)
     return RankLayout(
-        tp=_axis_groups(dense, 0), dp=_axis_groups(dense, 1), pp=pp,
+        tp=_axis_groups(dense, 0),
+        dp=_axis_groups(dense, 1),
+        pp=pp,
         embedding=tuple((ranks[0], ranks[-1]) for ranks in pp) if pp_size > 1 else (),
-        stage=tuple(tuple(range(first, first + world_size // pp_size)) for first in range(0, world_size, world_size // pp_size)),
-        expert_tp=_axis_groups(experts, 0), ep=_axis_groups(experts, 1), expert_dp=_axis_groups(experts, 2),
+        stage=tuple(
+            tuple(range(first, first + world_size // pp_size)) for first in range(0, world_size, world_size // pp_size)
+        ),
+        expert_tp=_axis_groups(experts, 0),
+        ep=_axis_groups(experts, 1),
+        expert_dp=_axis_groups(experts, 2),
     )
 
 
@@ -210,8 +228,9 @@ def _own_group(groups: Groups, rank: int) -> dist.ProcessGroup | None:
     return own
 
 
-def build_parallel_grid(device: torch.device | None = None, ep_size: int = 1, tp_size: int = 1,
-                        pp_size: int = 1, expert_tp_size: int = 1) -> ParallelGrid:
+def build_parallel_grid(
+    device: torch.device | None = None, ep_size: int = 1, tp_size: int = 1, pp_size: int = 1, expert_tp_size: int = 1
+) -> ParallelGrid:
     """Initialise torch.distributed from torchrun's environment (if any) and build the groups."""
     device = device or default_device()
     world_size = launched_world_size(ep_size, tp_size=tp_size, pp_size=pp_size, expert_tp_size=expert_tp_size)
@@ -232,12 +251,27 @@ def build_parallel_grid(device: torch.device | None = None, ep_size: int = 1, tp
     expert_tp_group, ep_group = _own_group(layout.expert_tp, rank), _own_group(layout.ep, rank)
     expert_dp_group = _own_group(layout.expert_dp, rank)
     return ParallelGrid(
-        world_size, rank, dp_size, position_in(layout.dp, rank), dp_group, device,
-        ep_size=ep_size, ep_rank=position_in(layout.ep, rank), ep_group=ep_group,
-        expert_dp_size=len(layout.expert_dp[0]), expert_dp_rank=position_in(layout.expert_dp, rank),
+        world_size,
+        rank,
+        dp_size,
+        position_in(layout.dp, rank),
+        dp_group,
+        device,
+        ep_size=ep_size,
+        ep_rank=position_in(layout.ep, rank),
+        ep_group=ep_group,
+        expert_dp_size=len(layout.expert_dp[0]),
+        expert_dp_rank=position_in(layout.expert_dp, rank),
         expert_dp_group=expert_dp_group,
-        tp_size=tp_size, tp_rank=position_in(layout.tp, rank), tp_group=tp_group,
-        pp_size=pp_size, pp_rank=position_in(layout.pp, rank), pp_group=pp_group,
-        expert_tp_size=expert_tp_size, expert_tp_rank=position_in(layout.expert_tp, rank),
-        expert_tp_group=expert_tp_group, embedding_group=embedding_group, stage_group=stage_group,
+        tp_size=tp_size,
+        tp_rank=position_in(layout.tp, rank),
+        tp_group=tp_group,
+        pp_size=pp_size,
+        pp_rank=position_in(layout.pp, rank),
+        pp_group=pp_group,
+        expert_tp_size=expert_tp_size,
+        expert_tp_rank=position_in(layout.expert_tp, rank),
+        expert_tp_group=expert_tp_group,
+        embedding_group=embedding_group,
+        stage_group=stage_group,
     )

@@ -17,30 +17,54 @@ BLACK: Color = (0, 0, 0)
 BACKGROUND: Color = (255, 255, 255)
 # 3x5 glyphs, one row of three bits per string; text is drawn in capitals
 GLYPHS = {
-    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
-    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
-    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
-    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
-    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
-    "A": ("010", "101", "111", "101", "101"), "B": ("110", "101", "110", "101", "110"),
-    "C": ("011", "100", "100", "100", "011"), "D": ("110", "101", "101", "101", "110"),
-    "E": ("111", "100", "110", "100", "111"), "F": ("111", "100", "110", "100", "100"),
-    "G": ("011", "100", "101", "101", "011"), "H": ("101", "101", "111", "101", "101"),
-    "I": ("111", "010", "010", "010", "111"), "J": ("001", "001", "001", "101", "010"),
-    "K": ("101", "101", "110", "101", "101"), "L": ("100", "100", "100", "100", "111"),
-    "M": ("101", "111", "111", "101", "101"), "N": ("110", "101", "101", "101", "101"),
-    "O": ("010", "101", "101", "101", "010"), "P": ("110", "101", "110", "100", "100"),
-    "Q": ("010", "101", "101", "110", "011"), "R": ("110", "101", "110", "101", "101"),
-    "S": ("011", "100", "010", "001", "110"), "T": ("111", "010", "010", "010", "010"),
-    "U": ("101", "101", "101", "101", "111"), "V": ("101", "101", "101", "101", "010"),
-    "W": ("101", "101", "111", "111", "101"), "X": ("101", "101", "010", "101", "101"),
-    "Y": ("101", "101", "010", "010", "010"), "Z": ("111", "001", "010", "100", "111"),
-    ".": ("000", "000", "000", "000", "010"), "-": ("000", "000", "111", "000", "000"),
-    "+": ("000", "010", "111", "010", "000"), "=": ("000", "111", "000", "111", "000"),
-    "(": ("010", "100", "100", "100", "010"), ")": ("010", "001", "001", "001", "010"),
-    ",": ("000", "000", "000", "010", "100"), ":": ("000", "010", "000", "010", "000"),
-    "/": ("001", "001", "010", "100", "100"), "%": ("101", "001", "010", "100", "101"),
-    "_": ("000", "000", "000", "000", "111"), " ": ("000",) * 5,
+    "0": ("111", "101", "101", "101", "111"),
+    "1": ("010", "110", "010", "010", "111"),
+    "2": ("111", "001", "111", "100", "111"),
+    "3": ("111", "001", "111", "001", "111"),
+    "4": ("101", "101", "111", "001", "001"),
+    "5": ("111", "100", "111", "001", "111"),
+    "6": ("111", "100", "111", "101", "111"),
+    "7": ("111", "001", "010", "010", "010"),
+    "8": ("111", "101", "111", "101", "111"),
+    "9": ("111", "101", "111", "001", "111"),
+    "A": ("010", "101", "111", "101", "101"),
+    "B": ("110", "101", "110", "101", "110"),
+    "C": ("011", "100", "100", "100", "011"),
+    "D": ("110", "101", "101", "101", "110"),
+    "E": ("111", "100", "110", "100", "111"),
+    "F": ("111", "100", "110", "100", "100"),
+    "G": ("011", "100", "101", "101", "011"),
+    "H": ("101", "101", "111", "101", "101"),
+    "I": ("111", "010", "010", "010", "111"),
+    "J": ("001", "001", "001", "101", "010"),
+    "K": ("101", "101", "110", "101", "101"),
+    "L": ("100", "100", "100", "100", "111"),
+    "M": ("101", "111", "111", "101", "101"),
+    "N": ("110", "101", "101", "101", "101"),
+    "O": ("010", "101", "101", "101", "010"),
+    "P": ("110", "101", "110", "100", "100"),
+    "Q": ("010", "101", "101", "110", "011"),
+    "R": ("110", "101", "110", "101", "101"),
+    "S": ("011", "100", "010", "001", "110"),
+    "T": ("111", "010", "010", "010", "010"),
+    "U": ("101", "101", "101", "101", "111"),
+    "V": ("101", "101", "101", "101", "010"),
+    "W": ("101", "101", "111", "111", "101"),
+    "X": ("101", "101", "010", "101", "101"),
+    "Y": ("101", "101", "010", "010", "010"),
+    "Z": ("111", "001", "010", "100", "111"),
+    ".": ("000", "000", "000", "000", "010"),
+    "-": ("000", "000", "111", "000", "000"),
+    "+": ("000", "010", "111", "010", "000"),
+    "=": ("000", "111", "000", "111", "000"),
+    "(": ("010", "100", "100", "100", "010"),
+    ")": ("010", "001", "001", "001", "010"),
+    ",": ("000", "000", "000", "010", "100"),
+    ":": ("000", "010", "000", "010", "000"),
+    "/": ("001", "001", "010", "100", "100"),
+    "%": ("101", "001", "010", "100", "101"),
+    "_": ("000", "000", "000", "000", "111"),
+    " ": ("000",) * 5,
 }
 # the chart's margins around the plot box: y tick labels and title on the left, x tick labels
 # and title below, the legend row above
@@ -50,6 +74,7 @@ MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 100, 20, 40, 60
 @dataclass(frozen=True)
 class Mark:
     """A vertical line at `x` across the plot box, named in the legend row."""
+
     x: float
     color: Color
     label: str
@@ -68,7 +93,7 @@ def text_mask(text: str, scale: int = 2) -> np.ndarray:
     cells = [GLYPHS.get(char, ("111",) * 5) for char in text.upper()]
     bits = np.zeros((5, max(4 * len(cells) - 1, 0)), dtype=bool)
     for i, glyph in enumerate(cells):
-        bits[:, 4 * i:4 * i + 3] = [[bit == "1" for bit in row] for row in glyph]
+        bits[:, 4 * i : 4 * i + 3] = [[bit == "1" for bit in row] for row in glyph]
     return bits.repeat(scale, axis=0).repeat(scale, axis=1)
 
 
@@ -77,7 +102,7 @@ def paste(image: np.ndarray, mask: np.ndarray, x: int, y: int, color: Color) -> 
     top, left = max(y, 0), max(x, 0)
     bottom, right = min(y + mask.shape[0], image.shape[0]), min(x + mask.shape[1], image.shape[1])
     if bottom > top and right > left:
-        image[top:bottom, left:right][mask[top - y:bottom - y, left - x:right - x]] = color
+        image[top:bottom, left:right][mask[top - y : bottom - y, left - x : right - x]] = color
 
 
 def draw_text(image: np.ndarray, x: int, y: int, text: str, color: Color = BLACK, scale: int = 2) -> None:
@@ -109,9 +134,17 @@ def log_ticks(lo: float, hi: float) -> list[float]:
     return [lo, hi]
 
 
-def line_chart(curves: list[tuple[list[tuple[float, float]], Color]], width: int = 800, height: int = 500, *,
-               x_title: str = "", y_title: str = "", log_x: bool = False, y_range: tuple[float, float] | None = None,
-               marks: Sequence[Mark] = ()) -> np.ndarray:
+def line_chart(
+    curves: list[tuple[list[tuple[float, float]], Color]],
+    width: int = 800,
+    height: int = 500,
+    *,
+    x_title: str = "",
+    y_title: str = "",
+    log_x: bool = False,
+    y_range: tuple[float, float] | None = None,
+    marks: Sequence[Mark] = (),
+) -> np.ndarray:
     """Curves of (x, y) points on shared axes (x linear or log10), five labelled ticks on y,
     labelled ticks on x, axis titles, and a legend row above the plot: the curves numbered 1, 2, ...
     in their colours when there are several (the caption says what each number is), then the marks.
@@ -159,7 +192,7 @@ def line_chart(curves: list[tuple[list[tuple[float, float]], Color]], width: int
     legend = [(str(number), color) for number, (_, color) in enumerate(curves, start=1)] if len(curves) > 1 else []
     x = left
     for label, color in legend + [(mark.label, mark.color) for mark in marks]:
-        image[top - 22:top - 18, x:x + 24] = color
+        image[top - 22 : top - 18, x : x + 24] = color
         draw_text(image, x + 30, top - 25, label)
         x += 30 + text_mask(label).shape[1] + 24
     return image
@@ -174,5 +207,9 @@ def png_bytes(image: np.ndarray) -> bytes:
 
     rows = np.concatenate([np.zeros((height, 1), dtype=np.uint8), image.reshape(height, width * 3)], axis=1)
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows.tobytes(), 9))
+        + chunk(b"IEND", b"")
+    )

@@ -3,17 +3,18 @@ then train, evaluate, log and checkpoint, Megatron-style."""
 
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from megatron.config.flags import PretrainConfig
-from megatron.config.runtime_schema import RuntimeConfig
 from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
 from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord
+from megatron.config.flags import PretrainConfig
+from megatron.config.runtime_schema import RuntimeConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
@@ -22,14 +23,14 @@ from megatron.errors import CheckpointError, ConfigError, DataError, TrainingSto
 from megatron.exit_conditions import ExitConditions
 from megatron.losses import masked_mean
 from megatron.model import GPTModel
+from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
-from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
-from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
 from megatron.runtime.engine import Engine, build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
+from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
 from megatron.training_log import TrainingLogger
 from megatron.upcycling import upcycle_from_checkpoint
 
@@ -73,12 +74,14 @@ def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     zero = runtime.zero_optimization
     sizes = {"tensor": grid.tp_size, "expert-tensor": grid.expert_tp_size, "pipeline": grid.pp_size}
     model_parallel = "".join(f"{kind}-parallel {size} | " for kind, size in sizes.items() if size > 1)
-    return (f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
-            f"{model_parallel}"
-            f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
-            f"optimizer offload {zero.offload_optimizer.device} | parameter offload {zero.offload_param.device} | "
-            f"global batch {runtime.train_batch_size} = micro batch {runtime.train_micro_batch_size_per_gpu} x "
-            f"accumulation {runtime.gradient_accumulation_steps} x data-parallel {grid.dp_size}")
+    return (
+        f" > run: world size {grid.world_size} | data-parallel {grid.dp_size} | expert-parallel {grid.ep_size} | "
+        f"{model_parallel}"
+        f"ZeRO stage {zero.stage} | precision {runtime.precision} | optimizer {runtime.optimizer.type} | "
+        f"optimizer offload {zero.offload_optimizer.device} | parameter offload {zero.offload_param.device} | "
+        f"global batch {runtime.train_batch_size} = micro batch {runtime.train_micro_batch_size_per_gpu} x "
+        f"accumulation {runtime.gradient_accumulation_steps} x data-parallel {grid.dp_size}"
+    )
 
 
 class Trainer:
@@ -86,21 +89,30 @@ class Trainer:
         self.config = config
         self.grid = grid
         t = config.training
-        built = {"expert": (grid.ep_size, t.expert_parallel_size), "tensor": (grid.tp_size, t.tensor_parallel_size),
-                 "expert-tensor": (grid.expert_tp_size, t.expert_tensor_parallel_size),
-                 "pipeline": (grid.pp_size, t.pipeline_parallel_size)}
+        built = {
+            "expert": (grid.ep_size, t.expert_parallel_size),
+            "tensor": (grid.tp_size, t.tensor_parallel_size),
+            "expert-tensor": (grid.expert_tp_size, t.expert_tensor_parallel_size),
+            "pipeline": (grid.pp_size, t.pipeline_parallel_size),
+        }
         for kind, (grid_size, flag_size) in built.items():
             if grid_size != flag_size:
-                raise ConfigError(f"the rank grid has {kind}-parallel size {grid_size} but the flags ask for {flag_size}; "
-                                  "build the grid from the same flags (build_parallel_grid)")
+                raise ConfigError(
+                    f"the rank grid has {kind}-parallel size {grid_size} but the flags ask for {flag_size}; "
+                    "build the grid from the same flags (build_parallel_grid)"
+                )
         self.log = TrainingLogger(config.logging.tensorboard_dir, enabled=grid.is_first_rank)
         self.runtime = runtime = config.runtime_config(grid.dp_size)
         self.log.info(run_summary(runtime, grid))
         set_seed(config.training.seed)
         data = config.data
         self.tokenizer: Tokenizer = build_tokenizer(
-            data.tokenizer_type, tokenizer_model=data.tokenizer_model, vocab_file=data.vocab_file,
-            merge_file=data.merge_file, vocab_size=data.vocab_size, null_tokenizer_eod=data.null_tokenizer_eod,
+            data.tokenizer_type,
+            tokenizer_model=data.tokenizer_model,
+            vocab_file=data.vocab_file,
+            merge_file=data.merge_file,
+            vocab_size=data.vocab_size,
+            null_tokenizer_eod=data.null_tokenizer_eod,
         )
         # data first: a bad prefix or corrupt index stops the run before the model is built
         self.train_data, self.valid_data, self.test_data = self._build_datasets()
@@ -108,29 +120,50 @@ class Trainer:
         vocab = padded_vocab_size(self.tokenizer.vocab_size, data.make_vocab_size_divisible_by * grid.tp_size)
         self.model_config = replace(config.model, vocab_size=vocab)
         tp = TensorParallel(grid.tp_group, t.sequence_parallel, grid.expert_tp_group)
-        stage = pipeline_stage(config.model.num_layers, grid.pp_size, grid.pp_rank, t.first_stage_layers, t.last_stage_layers)
+        stage = pipeline_stage(
+            config.model.num_layers, grid.pp_size, grid.pp_rank, t.first_stage_layers, t.last_stage_layers
+        )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor(model)
         ckpt = config.checkpoint
         self.load_dir = ckpt.load
         if ckpt.moe_use_upcycling:
             self.load_dir = self._upcycle(model)
-        self.resume_from = resume_iteration(
-            self.load_dir, grid, ckpt.ckpt_step if self.load_dir == ckpt.load else None, None if ckpt.reset_iteration else t.train_iters, self.log.info,
-        ) if self.load_dir else None
+        self.resume_from = (
+            resume_iteration(
+                self.load_dir,
+                grid,
+                ckpt.ckpt_step if self.load_dir == ckpt.load else None,
+                None if ckpt.reset_iteration else t.train_iters,
+                self.log.info,
+            )
+            if self.load_dir
+            else None
+        )
         self._refuse_overwriting_checkpoints()
         # teacher checks and the student's init from the teacher come before the engine copies the weights
         self.teacher, self.distilling = self._setup_teacher(model, self.resume_from is None)
         optimizer = build_optimizer(model, runtime, rank=grid.rank)
-        scheduler = None if t.deepspeed_scheduler else AnnealingLR(  # else the engine builds the config's
-            optimizer, max_lr=runtime.optimizer.params.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_tokens,
-            decay_steps=t.lr_decay_tokens, decay_style=t.lr_decay_style, increment=t.tokens_per_iteration,
+        scheduler = (
+            None
+            if t.deepspeed_scheduler
+            else AnnealingLR(  # else the engine builds the config's
+                optimizer,
+                max_lr=runtime.optimizer.params.lr,
+                min_lr=t.min_lr,
+                warmup_steps=t.lr_warmup_tokens,
+                decay_steps=t.lr_decay_tokens,
+                decay_style=t.lr_decay_style,
+                increment=t.tokens_per_iteration,
+            )
         )
         n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
         self.engine = initialize(model, runtime, grid, optimizer=optimizer, lr_scheduler=scheduler)
-        self.log.info(f" > GPT model: {n_params:,} parameters on this rank, padded vocabulary {vocab} "
-                      f"(tokenizer {self.tokenizer.vocab_size}), data-parallel size {grid.dp_size}, "
-                      f"expert-parallel size {grid.ep_size}, experts per layer {self.model_config.experts_per_layer}")
+        self.log.info(
+            f" > GPT model: {n_params:,} parameters on this rank, padded vocabulary {vocab} "
+            f"(tokenizer {self.tokenizer.vocab_size}), data-parallel size {grid.dp_size}, "
+            f"expert-parallel size {grid.ep_size}, experts per layer {self.model_config.experts_per_layer}"
+        )
         self.iteration = 0
         self.consumed_samples = 0
         self.saved_iteration: int | None = None
@@ -155,8 +188,10 @@ class Trainer:
         folder to resume from, if any."""
         ckpt = self.config.checkpoint
         if ckpt.save and holds_checkpoints(ckpt.save):
-            self.log.info(f" > --moe-use-upcycling: --save {ckpt.save} holds checkpoints, so this run resumes them "
-                          f"instead of upcycling {ckpt.load} again")
+            self.log.info(
+                f" > --moe-use-upcycling: --save {ckpt.save} holds checkpoints, so this run resumes them "
+                f"instead of upcycling {ckpt.load} again"
+            )
             return ckpt.save
         self.log.info(upcycle_from_checkpoint(model, ckpt.load, self.grid, ckpt.ckpt_step))
         return None
@@ -164,13 +199,18 @@ class Trainer:
     def _load(self, iteration: int) -> None:
         ckpt = self.config.checkpoint
         client = self.engine.load_checkpoint(
-            self.load_dir, iteration_tag(iteration), load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
-            load_rng=ckpt.load_rng, verify=False,  # resume_iteration has just verified it
+            self.load_dir,
+            iteration_tag(iteration),
+            load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
+            load_rng=ckpt.load_rng,
+            verify=False,  # resume_iteration has just verified it
         )
         self.log.info(f" > loaded checkpoint {self.load_dir}/{iteration_tag(iteration)} at iteration {iteration}")
         if ckpt.reset_iteration:
-            self.log.info(f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
-                          "fresh optimizer and LR schedule, starting at iteration 0")
+            self.log.info(
+                f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
+                "fresh optimizer and LR schedule, starting at iteration 0"
+            )
         else:
             self.iteration = self.saved_iteration = client["iteration"]
             self.consumed_samples = client["consumed_samples"]
@@ -187,8 +227,10 @@ class Trainer:
         init = d.init_from_teacher and starts_fresh
         if not d.kd_active(start) and not init:
             if d.kd:
-                self.log.info(f" > knowledge distillation stopped at iteration {d.stop_iteration} and this run resumes "
-                              f"at {start}: the teacher is not loaded")
+                self.log.info(
+                    f" > knowledge distillation stopped at iteration {d.stop_iteration} and this run resumes "
+                    f"at {start}: the teacher is not loaded"
+                )
             return None, False
         folder, saved = teacher_checkpoint(d, self.model_config, self.config.training.seq_length, self.grid)
         if init:
@@ -196,30 +238,39 @@ class Trainer:
         if not d.kd_active(start):
             return None, False
         until = f"until iteration {d.stop_iteration}" if d.stop_iteration is not None else "for the whole run"
-        about = (f"{saved.num_layers} layers, experts per layer {saved.experts_per_layer}; KD alpha {d.alpha_ce} "
-                 f"beta {d.beta_ce} temperature {d.temperature}, {until}")
+        about = (
+            f"{saved.num_layers} layers, experts per layer {saved.experts_per_layer}; KD alpha {d.alpha_ce} "
+            f"beta {d.beta_ce} temperature {d.temperature}, {until}"
+        )
         if not self.grid.is_last_stage:
             self.log.info(f" > teacher {folder}: {about}; it runs on the last pipeline stage, whole")
             return None, True
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.runtime.precision)
         teacher = load_teacher(folder, saved, self.grid, dtype, model.tp)
-        self.log.info(f" > teacher {folder}: {sum(p.numel() for p in teacher.parameters()):,} parameters on this rank, {about}")
+        self.log.info(
+            f" > teacher {folder}: {sum(p.numel() for p in teacher.parameters()):,} parameters on this rank, {about}"
+        )
         return teacher, True
 
     def _stop_kd(self) -> None:
         self.teacher, self.distilling = None, False  # the only reference: its memory goes back now
         if self.grid.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.log.info(f" > knowledge distillation stopped at iteration {self.iteration}: teacher freed, "
-                      "training continues on the LM loss alone")
+        self.log.info(
+            f" > knowledge distillation stopped at iteration {self.iteration}: teacher freed, "
+            "training continues on the LM loss alone"
+        )
 
     def _build_datasets(self) -> tuple[Any, Any, Any]:
         """The first rank builds (and caches) the index arrays; the others then load them."""
         t, d = self.config.training, self.config.data
         eval_samples = self.config.logging.eval_iters * t.global_batch_size
         args = (
-            list(d.data_path) if d.data_path else None, d.split,
-            (t.train_iters * t.global_batch_size, eval_samples, eval_samples), t.seq_length, t.seed,
+            list(d.data_path) if d.data_path else None,
+            d.split,
+            (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
+            t.seq_length,
+            t.seed,
         )
         paths = {
             "train_data_prefix": list(d.train_data_path) if d.train_data_path else None,
@@ -239,8 +290,12 @@ class Trainer:
 
     def loader(self, dataset: Any, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
         loader = build_pretraining_loader(
-            dataset, consumed_samples, self.config.training.micro_batch_size,
-            self.grid.dp_rank, self.grid.dp_size, num_workers=self.config.data.num_workers,
+            dataset,
+            consumed_samples,
+            self.config.training.micro_batch_size,
+            self.grid.dp_rank,
+            self.grid.dp_size,
+            num_workers=self.config.data.num_workers,
         )
         return iter(loader)
 
@@ -285,8 +340,13 @@ class Trainer:
     def _stage_links(self) -> StageLinks:
         t, grid = self.config.training, self.grid
         positions = t.seq_length // grid.tp_size if t.sequence_parallel else t.seq_length
-        return StageLinks(grid.pp_prev_rank, grid.pp_next_rank, (t.micro_batch_size, positions, self.model_config.hidden_size),
-                          torch.float32, grid.device)
+        return StageLinks(
+            grid.pp_prev_rank,
+            grid.pp_next_rank,
+            (t.micro_batch_size, positions, self.model_config.hidden_size),
+            torch.float32,
+            grid.device,
+        )
 
     def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The global batch's micro-batches in the 1F1B schedule; every stage reads the same ones
@@ -337,7 +397,9 @@ class Trainer:
 
             def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
                 nonlocal total
-                output, _ = self.engine(batches[index]["tokens"], labels_BS=batches[index]["labels"], hidden_BSH=hidden_BSH)
+                output, _ = self.engine(
+                    batches[index]["tokens"], labels_BS=batches[index]["labels"], hidden_BSH=hidden_BSH
+                )
                 if not self.grid.is_last_stage:
                     return output, None
                 total += masked_mean(output, batches[index]["loss_mask"])
@@ -355,23 +417,33 @@ class Trainer:
     def _save(self, result: TrainResult) -> None:
         model_config = asdict(self.model_config)
         client = {
-            "iteration": self.iteration, "consumed_samples": self.consumed_samples,
-            "model_config": model_config, "flags": self.config.flags,
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "model_config": model_config,
+            "flags": self.config.flags,
         }
         data = self.config.data
         run = RunRecord(
-            iteration=self.iteration, consumed_samples=self.consumed_samples,
+            iteration=self.iteration,
+            consumed_samples=self.consumed_samples,
             consumed_tokens=self.consumed_samples * self.config.training.seq_length,
             model=model_config,
-            tokenizer={"type": data.tokenizer_type, "model": data.tokenizer_model, "vocab_file": data.vocab_file,
-                       "merge_file": data.merge_file, "vocab_size": self.tokenizer.vocab_size},
+            tokenizer={
+                "type": data.tokenizer_type,
+                "model": data.tokenizer_model,
+                "vocab_file": data.vocab_file,
+                "merge_file": data.merge_file,
+                "vocab_size": self.tokenizer.vocab_size,
+            },
         )
         self.log.info(f" > saving checkpoint at iteration {self.iteration} to {self.config.checkpoint.save}")
         start = time.perf_counter()
         path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client, run)
         result.checkpoint = str(path)
         self.saved_iteration = self.iteration
-        self.log.info(f" > saved checkpoint at iteration {self.iteration} to {path} in {time.perf_counter() - start:.1f} s")
+        self.log.info(
+            f" > saved checkpoint at iteration {self.iteration} to {path} in {time.perf_counter() - start:.1f} s"
+        )
 
     def _check_step(self) -> None:
         """The non-finite policy: bf16/fp32 stop at the first non-finite loss or gradient (unless
@@ -432,20 +504,26 @@ class Trainer:
                 result.kd_losses += interval[:, 2].tolist()
                 lm, moe, kd = (self.dp_mean(value) for value in interval.mean(0))
                 kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(interval))
-                self.log.training_line(self.iteration, t.train_iters, {
-                    "consumed_samples": self.consumed_samples,
-                    "consumed_tokens": self.consumed_samples * t.seq_length,
-                    "iteration_ms": 1000.0 * seconds, "lr": self.engine.get_lr()[0],
-                    "global_batch_size": t.global_batch_size,
-                    "lm_loss": lm, "moe_loss": moe if self.model_config.is_moe else None,
-                    "kd_loss": kd if kd_in_interval else None,
-                    "loss_scale": self.engine.loss_scaler.scale if self.runtime.precision == "fp16" else None,
-                    "grad_norm": self.engine.last_grad_norm,
-                    "skipped": self.engine.skipped_steps - interval_skipped,
-                    "skipped_total": self.engine.skipped_steps,
-                    "tokens_per_second": t.tokens_per_iteration / seconds,
-                    "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
-                })
+                self.log.training_line(
+                    self.iteration,
+                    t.train_iters,
+                    {
+                        "consumed_samples": self.consumed_samples,
+                        "consumed_tokens": self.consumed_samples * t.seq_length,
+                        "iteration_ms": 1000.0 * seconds,
+                        "lr": self.engine.get_lr()[0],
+                        "global_batch_size": t.global_batch_size,
+                        "lm_loss": lm,
+                        "moe_loss": moe if self.model_config.is_moe else None,
+                        "kd_loss": kd if kd_in_interval else None,
+                        "loss_scale": self.engine.loss_scaler.scale if self.runtime.precision == "fp16" else None,
+                        "grad_norm": self.engine.last_grad_norm,
+                        "skipped": self.engine.skipped_steps - interval_skipped,
+                        "skipped_total": self.engine.skipped_steps,
+                        "tokens_per_second": t.tokens_per_iteration / seconds,
+                        "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
+                    },
+                )
                 self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group, self.grid.pp_group))
                 interval_losses.clear()
                 interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
@@ -453,7 +531,11 @@ class Trainer:
                 return self._exit_early(result, exit_reason)
             if self.iteration % cfg.logging.eval_interval == 0:
                 self._validate(result)
-            if cfg.checkpoint.save and cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0:
+            if (
+                cfg.checkpoint.save
+                and cfg.checkpoint.save_interval
+                and self.iteration % cfg.checkpoint.save_interval == 0
+            ):
                 self._save(result)
         result.iteration = self.iteration
         if t.train_iters % cfg.logging.eval_interval:
@@ -473,14 +555,18 @@ class Trainer:
         if self.config.checkpoint.save and self.saved_iteration != self.iteration:
             self._save(result)
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "nothing saved (no --save)"
-        self.log.info(f" > exiting at iteration {self.iteration} of {self.config.training.train_iters}: {reason}; {saved}")
+        self.log.info(
+            f" > exiting at iteration {self.iteration} of {self.config.training.train_iters}: {reason}; {saved}"
+        )
         self.log.close()
         return result
 
     def _summary(self, result: TrainResult) -> None:
         if len(result.validation) >= 2:
             (first_it, first), (last_it, last) = result.validation[0], result.validation[-1]
-            self.log.info(f" > validation loss {first:.4f} at iteration {first_it} -> {last:.4f} at iteration {last_it}")
+            self.log.info(
+                f" > validation loss {first:.4f} at iteration {first_it} -> {last:.4f} at iteration {last_it}"
+            )
         if result.checkpoint:
             self.log.info(f" > checkpoint: {result.checkpoint}")
         if self.config.logging.tensorboard_dir:

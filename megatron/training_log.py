@@ -59,36 +59,58 @@ class TrainingLogger:
             f"TFLOP/s: {stats['tflops']:.3f}",
         ]
         self.info(" | ".join(fields) + " |")
-        self.scalars(iteration, {
-            "learning-rate": stats["lr"], "lm loss": stats["lm_loss"], "grad-norm": stats["grad_norm"],
-            "iteration-time": stats["iteration_ms"] / 1000.0, "tokens-per-second": stats["tokens_per_second"],
-            "tflops": stats["tflops"], "batch-size": stats["global_batch_size"],
-            "skipped-iterations": stats["skipped"], "skipped-iterations-total": stats["skipped_total"],
-            **({"loss-scale": stats["loss_scale"]} if stats.get("loss_scale") is not None else {}),
-            **({"moe loss": stats["moe_loss"]} if stats.get("moe_loss") is not None else {}),
-            **({"kd loss": stats["kd_loss"]} if stats.get("kd_loss") is not None else {}),
-        })
+        self.scalars(
+            iteration,
+            {
+                "learning-rate": stats["lr"],
+                "lm loss": stats["lm_loss"],
+                "grad-norm": stats["grad_norm"],
+                "iteration-time": stats["iteration_ms"] / 1000.0,
+                "tokens-per-second": stats["tokens_per_second"],
+                "tflops": stats["tflops"],
+                "batch-size": stats["global_batch_size"],
+                "skipped-iterations": stats["skipped"],
+                "skipped-iterations-total": stats["skipped_total"],
+                **({"loss-scale": stats["loss_scale"]} if stats.get("loss_scale") is not None else {}),
+                **({"moe loss": stats["moe_loss"]} if stats.get("moe_loss") is not None else {}),
+                **({"kd loss": stats["kd_loss"]} if stats.get("kd_loss") is not None else {}),
+            },
+        )
 
     def moe_lines(self, iteration: int, loads: list[LayerLoad]) -> None:
         """Expert load per MoE layer: one summary line, scalars and a tokens-per-expert histogram."""
         if not loads:
             return
-        self.info(" moe | " + " | ".join(
-            f"layer {load.layer}: imbalance {load.imbalance:.2f} dropped {100 * load.dropped_fraction:.1f}% "
-            f"entropy {load.router_entropy:.2f}" for load in loads
-        ) + " |")
+        self.info(
+            " moe | "
+            + " | ".join(
+                f"layer {load.layer}: imbalance {load.imbalance:.2f} dropped {100 * load.dropped_fraction:.1f}% "
+                f"entropy {load.router_entropy:.2f}"
+                for load in loads
+            )
+            + " |"
+        )
         for load in loads:
             prefix = f"moe/layer{load.layer}"
-            self.scalars(iteration, {f"{prefix}/imbalance": load.imbalance,
-                                     f"{prefix}/dropped-fraction": load.dropped_fraction,
-                                     f"{prefix}/router-entropy": load.router_entropy})
+            self.scalars(
+                iteration,
+                {
+                    f"{prefix}/imbalance": load.imbalance,
+                    f"{prefix}/dropped-fraction": load.dropped_fraction,
+                    f"{prefix}/router-entropy": load.router_entropy,
+                },
+            )
             if self.writer is not None:
                 counts = load.tokens_per_expert
                 self.writer.add_histogram_raw(
-                    f"{prefix}/tokens-per-expert", min=0, max=len(counts) - 1, num=sum(counts),
+                    f"{prefix}/tokens-per-expert",
+                    min=0,
+                    max=len(counts) - 1,
+                    num=sum(counts),
                     sum=float(sum(e * c for e, c in enumerate(counts))),
                     sum_squares=float(sum(e * e * c for e, c in enumerate(counts))),
-                    bucket_limits=[e + 0.5 for e in range(len(counts))], bucket_counts=counts,
+                    bucket_limits=[e + 0.5 for e in range(len(counts))],
+                    bucket_counts=counts,
                     global_step=iteration,
                 )
 

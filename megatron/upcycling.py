@@ -37,38 +37,63 @@ from megatron.parallel import ParallelGrid
 
 # what must match between the dense checkpoint and the MoE model for weights to carry over
 ARCHITECTURE_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size", "normalization",
-    "norm_epsilon", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "num_query_groups",
-    "kv_channels", "qk_layernorm", "position_embedding_type", "rotary_percent", "rotary_base",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "vocab_size",
+    "ffn_hidden_size",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
+    "position_embedding_type",
+    "rotary_percent",
+    "rotary_base",
 )
 
 
 def check_upcycling(moe: GPTConfig, dense: GPTConfig, source: str) -> None:
     """Stop with one sentence where the dense checkpoint `source` cannot become `moe`."""
     if dense.is_moe:
-        raise ConfigError(f"--moe-use-upcycling builds an MoE model from a dense checkpoint, but {source} already has "
-                          "MoE layers; drop --moe-use-upcycling to load it as it is")
+        raise ConfigError(
+            f"--moe-use-upcycling builds an MoE model from a dense checkpoint, but {source} already has "
+            "MoE layers; drop --moe-use-upcycling to load it as it is"
+        )
     if not moe.is_moe:
         raise ConfigError("--moe-use-upcycling builds an MoE model, but the flags give none; add --num-experts N")
     learned_positions = ("max_position_embeddings",) if dense.position_embedding_type == "learned_absolute" else ()
     differing = moe.differences(dense, ARCHITECTURE_FIELDS + learned_positions)
     if differing:
-        raise ConfigError(f"the dense checkpoint {source} differs from the flags outside the MoE layers "
-                          f"({'; '.join(differing)}); give the dense model's own model flags")
+        raise ConfigError(
+            f"the dense checkpoint {source} differs from the flags outside the MoE layers "
+            f"({'; '.join(differing)}); give the dense model's own model flags"
+        )
     if moe.moe_shared_expert_intermediate_size is not None:
-        raise ConfigError("--moe-use-upcycling cannot start shared experts from a dense MLP and keep the dense model's "
-                          "output; drop --moe-shared-expert-intermediate-size or upcycle without it")
+        raise ConfigError(
+            "--moe-use-upcycling cannot start shared experts from a dense MLP and keep the dense model's "
+            "output; drop --moe-shared-expert-intermediate-size or upcycle without it"
+        )
     granularity, remainder = divmod(dense.ffn_hidden_size, moe.moe_ffn_hidden_size)
     if remainder:
-        raise ConfigError(f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} does not divide the dense checkpoint's "
-                          f"ffn width {dense.ffn_hidden_size}; give a width that divides it for --moe-use-upcycling")
+        raise ConfigError(
+            f"--moe-ffn-hidden-size {moe.moe_ffn_hidden_size} does not divide the dense checkpoint's "
+            f"ffn width {dense.ffn_hidden_size}; give a width that divides it for --moe-use-upcycling"
+        )
     uneven = [count for count in moe.experts_per_layer if count > 1 and count % granularity]
     if uneven:
-        raise ConfigError(f"{uneven[0]} experts are not a multiple of the {granularity} slices each dense MLP splits "
-                          f"into; give --num-experts in multiples of {granularity} for --moe-use-upcycling")
+        raise ConfigError(
+            f"{uneven[0]} experts are not a multiple of the {granularity} slices each dense MLP splits "
+            f"into; give --num-experts in multiples of {granularity} for --moe-use-upcycling"
+        )
     if granularity > 1 and moe.moe.topk % granularity:
-        raise ConfigError(f"--moe-router-topk {moe.moe.topk} does not choose whole copies of the dense MLP split into "
-                          f"{granularity} slices; give a multiple of {granularity} for --moe-use-upcycling")
+        raise ConfigError(
+            f"--moe-router-topk {moe.moe.topk} does not choose whole copies of the dense MLP split into "
+            f"{granularity} slices; give a multiple of {granularity} for --moe-use-upcycling"
+        )
 
 
 def upcycle_from_checkpoint(model: GPTModel, load_dir: str, grid: ParallelGrid, iteration: int | None) -> str:
@@ -84,7 +109,9 @@ def upcycle(model: GPTModel, dense_tensor: Callable[[str], torch.Tensor], dense:
     """Fill `model` (MoE, this rank's experts) from the dense model's tensors, read by name through
     `dense_tensor`; returns the log line."""
     granularity = dense.ffn_hidden_size // model.config.moe_ffn_hidden_size
-    moe_layers = {f"layers.{i}.mlp.": layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoELayer)}
+    moe_layers = {
+        f"layers.{i}.mlp.": layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoELayer)
+    }
     with torch.no_grad():
         for prefix, moe in moe_layers.items():
             _upcycle_layer(moe, prefix, dense_tensor, granularity, model.config.swiglu)
@@ -105,7 +132,11 @@ def activation_scale(moe: MoELayer, granularity: int) -> float:
 
 
 def _upcycle_layer(
-    moe: MoELayer, prefix: str, dense_tensor: Callable[[str], torch.Tensor], granularity: int, swiglu: bool,
+    moe: MoELayer,
+    prefix: str,
+    dense_tensor: Callable[[str], torch.Tensor],
+    granularity: int,
+    swiglu: bool,
 ) -> None:
     experts = moe.experts
     scale = activation_scale(moe, granularity)

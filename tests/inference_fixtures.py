@@ -42,13 +42,26 @@ class ByteTokenizer(Tokenizer):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def tiny_model(experts: int = 1, position: str = "learned_absolute", vocab: int = 64, max_positions: int = 32,
-               seed: int = 0, topk: int = 2) -> GPTModel:
+def tiny_model(
+    experts: int = 1,
+    position: str = "learned_absolute",
+    vocab: int = 64,
+    max_positions: int = 32,
+    seed: int = 0,
+    topk: int = 2,
+) -> GPTModel:
     """A random 2-layer GPT in inference mode (eval, MoE dropless); with experts > 1 layer 2 is MoE."""
     torch.manual_seed(seed)
-    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=vocab,
-                       max_position_embeddings=max_positions, position_embedding_type=position,
-                       num_experts=(experts,), moe=MoEConfig(topk=topk))
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=max_positions,
+        position_embedding_type=position,
+        num_experts=(experts,),
+        moe=MoEConfig(topk=topk),
+    )
     return GPTModel(inference_config(config)).eval()
 
 
@@ -59,7 +72,15 @@ def train_checkpoint(corpus: str, save: str, ep_size: int = 1, train_iters: int 
     """Train a tiny MoE model (NullTokenizer) for a few iterations and save it; run under torchrun
     or `run_distributed` for ep_size > 1."""
     grid = build_parallel_grid(torch.device("cpu"), ep_size=ep_size)
-    config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=train_iters, micro_batch_size=1,
-                         global_batch_size=2 * grid.dp_size, moe_expert_parallel_size=ep_size, save=save, **MOE)
+    config = tiny_config(
+        corpus,
+        dp_size=grid.dp_size,
+        train_iters=train_iters,
+        micro_batch_size=1,
+        global_batch_size=2 * grid.dp_size,
+        moe_expert_parallel_size=ep_size,
+        save=save,
+        **MOE,
+    )
     Trainer(config, grid).train()
     return {}

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("megatron.ops._aio", reason="the aio extension is not built: run `pip install -e .`")
 
-from megatron.ops import aio  # noqa: E402
-from megatron.ops.op_builder import AsyncIOBuilder, GDSBuilder  # noqa: E402
+from megatron.ops import aio
+from megatron.ops.op_builder import AsyncIOBuilder, GDSBuilder
 
 MiB = 1 << 20
 UINT8 = torch.empty(0, dtype=torch.uint8)
@@ -55,8 +55,13 @@ def test_round_trip_bytes(tmp_path, nbytes, file_offset, parallelism, async_op):
 @pytest.mark.parametrize("parallelism", [2, 3])
 @pytest.mark.parametrize("locked", [False, True])
 def test_round_trip_dtypes(tmp_path, dtype, parallelism, locked):
-    handle = aio.aio_handle(block_size=128 * 1024, queue_depth=8, overlap_events=parallelism == 3,
-                            single_submit=parallelism == 2, intra_op_parallelism=parallelism)
+    handle = aio.aio_handle(
+        block_size=128 * 1024,
+        queue_depth=8,
+        overlap_events=parallelism == 3,
+        single_submit=parallelism == 2,
+        intra_op_parallelism=parallelism,
+    )
     values = torch.randn(MiB // 4 + 3).to(dtype) if dtype.is_floating_point else torch.arange(MiB // 4 + 3)
     tensor = handle.new_cpu_locked_tensor(values.numel(), values) if locked else values.clone()
     tensor.copy_(values)
@@ -76,7 +81,7 @@ def test_unaligned_memory_address(tmp_path):
     # A tensor starting 1 byte into a page is incongruent with every file offset: all bounce buffers.
     handle = aio.aio_handle(block_size=8192, queue_depth=4)
     base = handle.new_cpu_locked_tensor(3 * MiB, UINT8)
-    tensor = base[1:2 * MiB + 1]
+    tensor = base[1 : 2 * MiB + 1]
     tensor.copy_(random_bytes(tensor.numel()))
     assert torch.equal(write_then_read(handle, tensor, tmp_path / "t.bin", file_offset=4096), tensor)
 
@@ -89,7 +94,7 @@ def test_offset_write_keeps_neighbouring_bytes(tmp_path):
     patch = random_bytes(MiB + 5, seed=2)
     handle.sync_pwrite(patch, path, file_offset=12345)
     expected = original.clone()
-    expected[12345:12345 + patch.numel()] = patch
+    expected[12345 : 12345 + patch.numel()] = patch
     assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), expected)
 
 
@@ -120,9 +125,14 @@ def test_several_async_ops_then_one_wait(tmp_path):
 
 def test_deepnvme_tutorial_call(tmp_path):
     handle = AsyncIOBuilder().load().aio_handle(1024**2, 128, True, True, 1)
-    assert (handle.get_block_size(), handle.get_queue_depth(), handle.get_single_submit(),
-            handle.get_overlap_events(), handle.get_intra_op_parallelism(), handle.get_alignment()) == (
-                1024**2, 128, True, True, 1, 4096)
+    assert (
+        handle.get_block_size(),
+        handle.get_queue_depth(),
+        handle.get_single_submit(),
+        handle.get_overlap_events(),
+        handle.get_intra_op_parallelism(),
+        handle.get_alignment(),
+    ) == (1024**2, 128, True, True, 1, 4096)
     tensor = random_bytes(MiB)
     assert torch.equal(write_then_read(handle, tensor, tmp_path / "t.bin"), tensor)
     assert AsyncIOBuilder().is_compatible()
@@ -192,8 +202,12 @@ def test_unaligned_tensor_through_the_bounce_arena(tmp_path, overlap_events, par
     # and large blocks (blocks over 1 MiB are cut to 1 MiB there); the blocks stream through the
     # slots whatever overlap_events says.
     for block_size, queue_depth in ((4096, 8), (MiB, 128), (8 * MiB, 128)):
-        handle = aio.aio_handle(block_size=block_size, queue_depth=queue_depth, overlap_events=overlap_events,
-                                intra_op_parallelism=parallelism)
+        handle = aio.aio_handle(
+            block_size=block_size,
+            queue_depth=queue_depth,
+            overlap_events=overlap_events,
+            intra_op_parallelism=parallelism,
+        )
         tensor = random_bytes(80 * MiB + 3 + 1, seed=block_size)[1:]
         assert tensor.data_ptr() % 4096 != 0
         out = write_then_read(handle, tensor, tmp_path / "t.bin", file_offset=4096, async_op=async_op)
@@ -247,7 +261,7 @@ def test_async_pwrite_through_a_file_descriptor(tmp_path, nbytes, file_offset, p
     os.close(fd)
     assert handle.wait() == 1
     expected = bytearray(original.tolist())
-    expected[file_offset:file_offset + nbytes] = bytes(tensor.tolist())
+    expected[file_offset : file_offset + nbytes] = bytes(tensor.tolist())
     assert path.read_bytes() == bytes(expected)
     out = torch.zeros_like(tensor)
     assert handle.sync_pread(out, path, file_offset) == 1 and torch.equal(out, tensor)
@@ -372,9 +386,8 @@ def test_full_device_raises_enospc_and_warns_once():
     if not os.path.exists("/dev/full"):
         pytest.skip("/dev/full does not exist on this machine")
     handle = aio.aio_handle()
-    with pytest.warns(RuntimeWarning, match="/dev/full"):
-        with pytest.raises(OSError) as raised:
-            handle.sync_pwrite(random_bytes(MiB), "/dev/full")
+    with pytest.warns(RuntimeWarning, match="/dev/full"), pytest.raises(OSError) as raised:
+        handle.sync_pwrite(random_bytes(MiB), "/dev/full")
     assert raised.value.errno == errno.ENOSPC and "/dev/full" in str(raised.value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -388,8 +401,9 @@ def test_full_device_raises_enospc_and_warns_once():
 def test_full_file_system_raises_enospc_before_overwriting(tmp_path):
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a 1 MiB tmpfs here (needs root): {mounted.stderr.strip()}")
     try:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.config.runtime_schema import validate_runtime_config
 from megatron.errors import UserError
 from megatron.ops import io_bench, nvme_tune
-from megatron.config.runtime_schema import validate_runtime_config
 
 
 def _op_built() -> bool:
@@ -42,8 +42,23 @@ def test_parse_size() -> None:
 @needs_op
 @pytest.mark.parametrize("op", ["--write", "--read"])
 def test_ds_io_measures_and_cleans_up(op: str, tmp_path: Path) -> None:
-    result = io_bench.run([op, "--folder", str(tmp_path), "--io_size", "4M", "--block_size", "256K",
-                            "--queue_depth", "8", "--loops", "2", "--warmup", "0"])
+    result = io_bench.run(
+        [
+            op,
+            "--folder",
+            str(tmp_path),
+            "--io_size",
+            "4M",
+            "--block_size",
+            "256K",
+            "--queue_depth",
+            "8",
+            "--loops",
+            "2",
+            "--warmup",
+            "0",
+        ]
+    )
     assert result["op"] == op[2:] and result["io_size"] == 4 << 20
     assert len(result["loops_gbps"]) == 2 and result["gbps"] > 0
     assert list(tmp_path.iterdir()) == []
@@ -51,23 +66,59 @@ def test_ds_io_measures_and_cleans_up(op: str, tmp_path: Path) -> None:
 
 @needs_op
 def test_ds_io_sequential_requests_on_plain_memory(tmp_path: Path) -> None:
-    result = io_bench.run(["--read", "--folder", str(tmp_path), "--io_size", "4M", "--requests", "4",
-                            "--sequential_requests", "--no-locked", "--intra_op_parallelism", "2", "--loops", "1"])
+    result = io_bench.run(
+        [
+            "--read",
+            "--folder",
+            str(tmp_path),
+            "--io_size",
+            "4M",
+            "--requests",
+            "4",
+            "--sequential_requests",
+            "--no-locked",
+            "--intra_op_parallelism",
+            "2",
+            "--loops",
+            "1",
+        ]
+    )
     assert result["gbps"] > 0 and result["requests"] == 4 and not result["locked"]
 
 
 @needs_op
 def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps({"block_size": ["256K", "1M"], "queue_depth": [4], "intra_op_parallelism": [1],
-                                 "single_submit": [True], "overlap_events": [False]}))
+    sweep.write_text(
+        json.dumps(
+            {
+                "block_size": ["256K", "1M"],
+                "queue_depth": [4],
+                "intra_op_parallelism": [1],
+                "single_submit": [True],
+                "overlap_events": [False],
+            }
+        )
+    )
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    summary = nvme_tune.run(["--nvme_dir", str(nvme), "--sweep_config", str(sweep), "--io_size", "2M", "--loops", "1",
-                             "--log_dir", str(tmp_path / "logs")])
+    summary = nvme_tune.run(
+        [
+            "--nvme_dir",
+            str(nvme),
+            "--sweep_config",
+            str(sweep),
+            "--io_size",
+            "2M",
+            "--loops",
+            "1",
+            "--log_dir",
+            str(tmp_path / "logs"),
+        ]
+    )
     out = capsys.readouterr().out
     assert "best read" in out and "best write" in out
-    block = json.loads("{" + out[out.index('"aio": {'):] + "}")["aio"]
+    block = json.loads("{" + out[out.index('"aio": {') :] + "}")["aio"]
     assert block == summary["aio"]  # what the user pastes is what the sweep found
     assert list(block) == ["block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"]
     assert block["block_size"] in (256 << 10, 1 << 20) and block["queue_depth"] == 4
@@ -89,18 +140,21 @@ def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 @pytest.mark.parametrize("extra", [[], ["--gds"], ["--gpu", "--no_write"]])
-def test_nvme_tune_missing_dir_is_one_sentence(extra: list[str], tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_nvme_tune_missing_dir_is_one_sentence(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "no_such_dir"
     err = _error_of(["--nvme_dir", str(missing), *extra], capsys)
     assert f"--nvme_dir {missing} does not exist" in err  # the folder is checked before anything else
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messages of a machine without a GPU")
-@pytest.mark.parametrize("flag, message", [("--gds", "GPUDirect Storage is not available"),
-                                           ("--gpu", "--gpu needs a CUDA GPU")])
-def test_nvme_tune_gpu_flags_without_gpu(flag: str, message: str, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "flag, message", [("--gds", "GPUDirect Storage is not available"), ("--gpu", "--gpu needs a CUDA GPU")]
+)
+def test_nvme_tune_gpu_flags_without_gpu(
+    flag: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert message in _error_of(["--nvme_dir", str(tmp_path), flag], capsys)
 
 
@@ -123,6 +177,12 @@ def test_readme_async_io_example_runs_as_pasted(tmp_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
     example = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "AsyncIOBuilder" in block)
     # a fresh interpreter in an empty folder, as a reader pasting it would run it
-    done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-c", example],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, f"the README's async-I/O example fails as pasted:\n{done.stderr}"

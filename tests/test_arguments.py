@@ -3,10 +3,22 @@ import pytest
 from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
 
-BASE = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--micro-batch-size 2 --lr 1e-3 --data-path corpus"
-).split()
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--data-path",
+    "corpus",
+]
 
 
 def parse(extra: str):
@@ -35,7 +47,7 @@ def test_lr_schedule_lengths_convert_to_tokens():
         ("--train-iters 10 --max-position-embeddings 8", "exceeds --max-position-embeddings"),
         ("--train-iters 0", "--train-iters: .0. is not a positive integer"),
         ("--train-iters 10 --lr-warmup-iters 1 --lr-warmup-tokens 5", "use only one"),
-    ("--train-iters 10 --lr-warmup-iters 10", r"the LR warmup \(320 tokens\) is not shorter than its decay"),
+        ("--train-iters 10 --lr-warmup-iters 10", r"the LR warmup \(320 tokens\) is not shorter than its decay"),
     ],
 )
 def test_contradictions_stop_with_a_clear_message(extra, message):
@@ -46,7 +58,9 @@ def test_contradictions_stop_with_a_clear_message(extra, message):
 def test_global_batch_must_divide_into_micro_batches_and_ranks():
     config = parse("--train-iters 10 --global-batch-size 6")
     with_data_parallel_size(config, 1)
-    with pytest.raises(ConfigError, match="--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size 2"):
+    with pytest.raises(
+        ConfigError, match="--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size 2"
+    ):
         with_data_parallel_size(config, 2)
 
 
@@ -72,22 +86,30 @@ def test_moe_flags_build_the_layer_plan():
     pyramid = parse("--train-iters 10 --num-layers 6 --num-experts 4 4 8")
     assert pyramid.model.experts_per_layer == [1, 4, 1, 4, 1, 8]
     assert parse("--train-iters 10 --num-experts 8 --topk 3").model.moe.drop_policy == "probs"
-    assert parse("--train-iters 10 --num-experts 8 --topk 3 --moe-token-drop-policy position").model.moe.drop_policy == "position"
+    assert (
+        parse("--train-iters 10 --num-experts 8 --topk 3 --moe-token-drop-policy position").model.moe.drop_policy
+        == "position"
+    )
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("--num-layers 4 --num-experts 4 4 8", "--num-experts has 3 values but 4 layers .* give one value or 2"),
-    ("--num-experts 1 --mlp-type residual", "--mlp-type residual needs MoE layers"),
-    ("--num-experts 4 --topk 2 --moe-noisy-gate-policy RSample", "RSample applies to top-1"),
-    ("--num-experts 4 --topk 2 --moe-token-drop-policy position", "applies to --topk 3 or more"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--num-layers 4 --num-experts 4 4 8", "--num-experts has 3 values but 4 layers .* give one value or 2"),
+        ("--num-experts 1 --mlp-type residual", "--mlp-type residual needs MoE layers"),
+        ("--num-experts 4 --topk 2 --moe-noisy-gate-policy RSample", "RSample applies to top-1"),
+        ("--num-experts 4 --topk 2 --moe-token-drop-policy position", "applies to --topk 3 or more"),
+    ],
+)
 def test_moe_flag_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse("--train-iters 10 " + extra)
 
 
 def test_expert_parallel_size_must_divide_every_expert_count():
-    config = parse("--train-iters 10 --num-layers 4 --num-experts 4 6 --moe-expert-parallel-size 4 --global-batch-size 8")
+    config = parse(
+        "--train-iters 10 --num-layers 4 --num-experts 4 6 --moe-expert-parallel-size 4 --global-batch-size 8"
+    )
     with pytest.raises(ConfigError, match="6 experts cannot be split over --moe-expert-parallel-size 4"):
         with_data_parallel_size(config, 4)
 

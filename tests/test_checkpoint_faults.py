@@ -23,9 +23,16 @@ from tests.training_fixtures import tiny_config, write_corpus
 SINGLE = single_process_grid(torch.device("cpu"))
 ITERS, INTERVAL = 6, 2
 # every disk operation of a save, in the order the protocol makes them
-PROTOCOL_STEPS = [(save_module, "save_rng_state"), (save_module, "save_tensors"), (save_module, "fsync_path"),
-                  (save_module, "write_manifest"), (save_module, "replace_durably"), (save_module.os, "replace"),
-                  (save_module.shutil, "rmtree"), (iterations_module, "write_text_durably")]
+PROTOCOL_STEPS = [
+    (save_module, "save_rng_state"),
+    (save_module, "save_tensors"),
+    (save_module, "fsync_path"),
+    (save_module, "write_manifest"),
+    (save_module, "replace_durably"),
+    (save_module.os, "replace"),
+    (save_module.shutil, "rmtree"),
+    (iterations_module, "write_text_durably"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +59,13 @@ def _count_protocol_steps(kill_at: int | None, calls: list[int]) -> None:
             if len(calls) == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             return _real(*args, **kwargs)
+
         setattr(module, name, counted)
 
 
-def _train_until_killed(corpus: str, folder: str, kill_at: int, made: "multiprocessing.sharedctypes.Synchronized") -> None:
+def _train_until_killed(
+    corpus: str, folder: str, kill_at: int, made: "multiprocessing.sharedctypes.Synchronized"
+) -> None:
     torch.set_num_threads(1)
     calls: list[int] = []
     _count_protocol_steps(kill_at, calls)
@@ -71,8 +81,9 @@ def _killed_child(corpus: str, folder: Path, kill_at: int) -> bool:
     child = context.Process(target=_train_until_killed, args=(corpus, str(folder), kill_at, made))
     child.start()
     child.join(timeout=120)
-    assert child.exitcode == -signal.SIGKILL or (child.exitcode == 0 and made.value < kill_at), \
+    assert child.exitcode == -signal.SIGKILL or (child.exitcode == 0 and made.value < kill_at), (
         f"the child ended with {child.exitcode} after {made.value} protocol calls"
+    )
     return child.exitcode == -signal.SIGKILL
 
 
@@ -81,8 +92,12 @@ def _protocol_calls_per_save(corpus: str, tmp_path: Path) -> int:
     real = {(module, name): getattr(module, name) for module, name in PROTOCOL_STEPS}
     try:
         _count_protocol_steps(None, calls)
-        Trainer(tiny_config(corpus, train_iters=INTERVAL, lr_warmup_iters=1, save=str(tmp_path / "count"), save_interval=INTERVAL),
-                SINGLE).train()
+        Trainer(
+            tiny_config(
+                corpus, train_iters=INTERVAL, lr_warmup_iters=1, save=str(tmp_path / "count"), save_interval=INTERVAL
+            ),
+            SINGLE,
+        ).train()
     finally:
         for (module, name), function in real.items():
             setattr(module, name, function)
@@ -90,8 +105,9 @@ def _protocol_calls_per_save(corpus: str, tmp_path: Path) -> int:
 
 
 def test_a_kill_at_every_step_of_the_save_twice_in_a_row_loses_nothing(corpus, tmp_path, one_thread):
-    reference = Trainer(tiny_config(corpus, train_iters=ITERS, save=str(tmp_path / "full"), save_interval=INTERVAL),
-                        SINGLE)
+    reference = Trainer(
+        tiny_config(corpus, train_iters=ITERS, save=str(tmp_path / "full"), save_interval=INTERVAL), SINGLE
+    )
     reference.train()
     per_save = _protocol_calls_per_save(corpus, tmp_path)
     assert per_save >= 8  # rng, model, optimizer, engine.json (each fsync'd), manifest, renames, latest
@@ -101,8 +117,9 @@ def test_a_kill_at_every_step_of_the_save_twice_in_a_row_loses_nothing(corpus, t
         # (a save after a resume may make fewer calls: nothing is left to remove)
         assert _killed_child(corpus, folder, per_save + step)
         _killed_child(corpus, folder, step)
-        finished = Trainer(tiny_config(corpus, train_iters=ITERS, save=str(folder), load=str(folder),
-                                       save_interval=INTERVAL), SINGLE)
+        finished = Trainer(
+            tiny_config(corpus, train_iters=ITERS, save=str(folder), load=str(folder), save_interval=INTERVAL), SINGLE
+        )
         finished.train()
         for expected, resumed in zip(reference.engine.module.parameters(), finished.engine.module.parameters()):
             assert torch.equal(expected, resumed), f"killed at step {step}: the resumed run differs"
@@ -120,8 +137,16 @@ def _flip_bit(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", ["model_rank00000.safetensors", "optimizer_rank00000.safetensors",
-                                  "rng_rank00000.safetensors", "engine.json", MANIFEST_FILE])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model_rank00000.safetensors",
+        "optimizer_rank00000.safetensors",
+        "rng_rank00000.safetensors",
+        "engine.json",
+        MANIFEST_FILE,
+    ],
+)
 @pytest.mark.parametrize("where", [0.1, 0.5, 0.97])
 def test_a_flipped_bit_in_any_file_is_refused_naming_it_and_the_older_checkpoint(corpus, tmp_path, name, where):
     folder = _saved_run(corpus, tmp_path / "ckpt")
@@ -152,8 +177,11 @@ def test_a_missing_or_bad_latest_resumes_from_the_newest_intact_checkpoint(corpu
 
 def test_a_fresh_run_does_not_overwrite_checkpoints_unless_told(corpus, tmp_path):
     folder = _saved_run(corpus, tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match="already holds checkpoints up to iteration 4 and this run starts from "
-                                              "iteration 0.*--overwrite-checkpoints"):
+    with pytest.raises(
+        CheckpointError,
+        match="already holds checkpoints up to iteration 4 and this run starts from "
+        "iteration 0.*--overwrite-checkpoints",
+    ):
         Trainer(tiny_config(corpus, train_iters=3, save=str(folder)), SINGLE)
     Trainer(tiny_config(corpus, train_iters=3, save=str(folder), overwrite_checkpoints=True), SINGLE).train()
     assert read_latest(str(folder))[0] == 3
@@ -178,7 +206,9 @@ def test_leftovers_of_interrupted_saves_are_cleaned_up_with_a_log_line(corpus, t
 
 def _mount_tmpfs(mount_point: Path, size: str) -> None:
     mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True
+    )
     if done.returncode:
         pytest.skip(f"a full disk is simulated with a small tmpfs, which needs root: {done.stderr.decode().strip()}")
 
@@ -194,6 +224,7 @@ def small_disk(corpus, tmp_path):
     def mount(extra: int) -> Path:
         _mount_tmpfs(mount_point, f"{(checkpoint_bytes + extra) // 4096 * 4096 + 8192}")
         return mount_point
+
     yield mount, checkpoint_bytes
     subprocess.run(["umount", str(mount_point)], check=False)
 
@@ -202,8 +233,11 @@ def test_a_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(corpus, 
     mount, checkpoint_bytes = small_disk
     folder = mount(checkpoint_bytes) / "ckpt"  # the data of a second checkpoint fits, its estimate does not
     trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
-    with pytest.raises(CheckpointError, match=r"iter_0000004 needs about [\d,]+ bytes but its disk has [\d,]+ free; "
-                                              "nothing was written"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iter_0000004 needs about [\d,]+ bytes but its disk has [\d,]+ free; "
+        "nothing was written",
+    ):
         trainer.train()
     assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", LATEST_FILE]
     assert read_latest(str(folder))[0] == 2
@@ -214,8 +248,11 @@ def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, smal
     folder = mount(checkpoint_bytes // 2) / "ckpt"
     monkeypatch.setattr(save_module, "_refuse_full_disk", lambda needed, free, final: None)  # let it hit ENOSPC
     trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
-    with pytest.raises(CheckpointError, match=r"iter_0000004 failed on rank 0 \(.*No space left on device.*\); the "
-                                              r"partial folder was removed .* it needs about [\d,]+ bytes"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iter_0000004 failed on rank 0 \(.*No space left on device.*\); the "
+        r"partial folder was removed .* it needs about [\d,]+ bytes",
+    ):
         trainer.train()
     assert sorted(p.name for p in folder.iterdir()) == ["iter_0000002", LATEST_FILE]
     resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder)), SINGLE)
@@ -231,8 +268,10 @@ def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(co
     assert resumed.iteration == 4 and "has no manifest.json (saved by an earlier version)" in capsys.readouterr().out
     engine_json = folder / "iter_0000004" / "engine.json"
     text = engine_json.read_text()
-    for damage, expected in ((text[:40], "engine.json is damaged"), (text.replace('"loss_scaler"', '"x"'),
-                                                                     "engine.json lacks 'loss_scaler'")):
+    for damage, expected in (
+        (text[:40], "engine.json is damaged"),
+        (text.replace('"loss_scaler"', '"x"'), "engine.json lacks 'loss_scaler'"),
+    ):
         engine_json.write_text(damage)
         with pytest.raises(CheckpointError, match=expected):
             Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
@@ -251,7 +290,9 @@ def test_large_state_is_cut_into_parts_that_resume_exactly(corpus, tmp_path, mon
     parts = [p.name for p in folder.iterdir() if p.name.startswith("optimizer_rank00000")]
     assert len(parts) > 3 and "optimizer_rank00000-1.safetensors" in parts
     (tmp_path / "full" / LATEST_FILE).write_text("2\n")
-    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(tmp_path / "full"), save=str(tmp_path / "full")), SINGLE)
+    resumed = Trainer(
+        tiny_config(corpus, train_iters=4, load=str(tmp_path / "full"), save=str(tmp_path / "full")), SINGLE
+    )
     resumed.train()
     for a, b in zip(full.engine.module.parameters(), resumed.engine.module.parameters()):
         assert torch.equal(a, b)

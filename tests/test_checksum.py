@@ -26,7 +26,7 @@ def test_every_single_bit_flip_changes_the_checksum(data):
 
 def test_zeroed_swapped_and_cut_blocks_change_it(data):
     original = bytes_checksum(data)
-    blocks = [data[i:i + 4096] for i in range(0, len(data), 4096)]
+    blocks = [data[i : i + 4096] for i in range(0, len(data), 4096)]
     assert bytes_checksum(blocks[1] + blocks[0] + b"".join(blocks[2:])) != original
     assert bytes_checksum(bytes(4096) + b"".join(blocks[1:])) != original
     assert bytes_checksum(data[:-1]) != original and bytes_checksum(data + b"\0") == original  # the size tells these

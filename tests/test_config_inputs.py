@@ -11,8 +11,24 @@ import pytest
 from megatron.config.flags import build_parser, parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
 
-BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
-        "--lr 3e-4 --train-iters 10 --data-path corpus").split()
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "3e-4",
+    "--train-iters",
+    "10",
+    "--data-path",
+    "corpus",
+]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,9 +48,15 @@ BAD_CONFIGS = [
     ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'fp16.hysteresis' .* greater than or equal to 1"),
     ('{"fp16": {"enabled": true, "loss_scale": Infinity}}', r"'fp16.loss_scale' .* finite number"),
     ('{"fp16": {"enabled": true, "loss_scale": NaN}}', r"'fp16.loss_scale' .* finite number"),
-    ({"fp16": {"enabled": True, "loss_scale": -1}}, r"bad value -1 for 'fp16.loss_scale' .* greater than or equal to 0"),
+    (
+        {"fp16": {"enabled": True, "loss_scale": -1}},
+        r"bad value -1 for 'fp16.loss_scale' .* greater than or equal to 0",
+    ),
     ({"fp16": {"enabled": True, "loss_scale_window": 0}}, r"'fp16.loss_scale_window' .* greater than or equal to 1"),
-    ({"fp16": {"enabled": True, "initial_scale_power": 5000}}, r"'fp16.initial_scale_power' .* less than or equal to 127"),
+    (
+        {"fp16": {"enabled": True, "initial_scale_power": 5000}},
+        r"'fp16.initial_scale_power' .* less than or equal to 127",
+    ),
     ({"fp16": {"enabled": True, "min_loss_scale": 0}}, r"'fp16.min_loss_scale' .* greater than 0"),
     ({"fp16": {"enabled": True, "loss_scal": 8}}, r"unknown key 'fp16.loss_scal' .* did you mean 'loss_scale'"),
     ({"gradient_clipping": -1}, r"bad value -1 for 'gradient_clipping' .* greater than or equal to 0"),
@@ -53,20 +75,29 @@ BAD_CONFIGS = [
     ({"gradient_accumulation_steps": 2.5}, r"'gradient_accumulation_steps' .* valid integer"),
     ({"steps_per_print": -1}, r"'steps_per_print' .* greater than or equal to 0"),
     ({"zero_optimization": {"stage": "1"}}, r"'zero_optimization.stage'"),
-    ({"zero_optimization": {"stage": 1, "overlap_com": True}}, r"unknown key 'zero_optimization.overlap_com' .* 'overlap_comm'"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_sise": 8}}},
-     r"unknown key 'zero_optimization.offload_param.buffer_sise' .* 'buffer_size'"),
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_pth": "/x"}}},
-     r"unknown key 'zero_optimization.offload_optimizer.nvme_pth' .* 'nvme_path'"),
+    (
+        {"zero_optimization": {"stage": 1, "overlap_com": True}},
+        r"unknown key 'zero_optimization.overlap_com' .* 'overlap_comm'",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_sise": 8}}},
+        r"unknown key 'zero_optimization.offload_param.buffer_sise' .* 'buffer_size'",
+    ),
+    (
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_pth": "/x"}}},
+        r"unknown key 'zero_optimization.offload_optimizer.nvme_pth' .* 'nvme_path'",
+    ),
     ({"aio": {"queue_depth": 0}}, r"'aio.queue_depth' .* greater than or equal to 1"),
     ({"aio": {"single_submit": "yes"}}, r"'aio.single_submit' .* valid boolean"),
     ({"scheduler": {"tpye": "WarmupLR"}}, r"unknown key 'scheduler.tpye' .* did you mean 'type'"),
     ({"scheduler": {"type": "WarmupLr"}}, r"unknown scheduler type 'WarmupLr' \(did you mean 'WarmupLR'\?\)"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
-     r"scheduler WarmupLR has no parameter 'warmup_num_step' \(did you mean 'warmup_num_steps'\?\)"),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+        r"scheduler WarmupLR has no parameter 'warmup_num_step' \(did you mean 'warmup_num_steps'\?\)",
+    ),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"scheduler WarmupDecayLR needs total_num_steps"),
     ({"tensorboard": {"enabled": True, "output_pth": "tb"}}, r"unknown key 'tensorboard.output_pth' .* 'output_path'"),
-    ("{\"fp16\": {enabled: true}}", r"cannot read the runtime config .*ds.json"),
+    ('{"fp16": {enabled: true}}', r"cannot read the runtime config .*ds.json"),
     ("[1, 2]", r"must hold a JSON object"),
 ]
 
@@ -79,12 +110,15 @@ def test_bad_deepspeed_configs_stop_with_one_sentence(tmp_path, config, message)
 
 
 def test_good_values_in_deepspeed_spellings_are_accepted(tmp_path):
-    config = runtime(tmp_path, {
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "consecutive_hysteresis": True},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},  # DeepSpeed writes counts as floats
-        "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0, "adam_w_mode": False}},
-        "gradient_clipping": 1,  # an integer where a float is meant
-    })
+    config = runtime(
+        tmp_path,
+        {
+            "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "consecutive_hysteresis": True},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},  # DeepSpeed writes counts as floats
+            "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0, "adam_w_mode": False}},
+            "gradient_clipping": 1,  # an integer where a float is meant
+        },
+    )
     assert config.zero_optimization.reduce_bucket_size == 500_000_000 and config.gradient_clipping == 1.0
     # the JSON's own keys that no flag sets reach the runtime: the optimizer type and parameters, fp16's others
     assert config.optimizer.type == "Adam" and config.optimizer.params.given()["adam_w_mode"] is False
@@ -93,8 +127,9 @@ def test_good_values_in_deepspeed_spellings_are_accepted(tmp_path):
 
 def test_json_fills_the_flags_it_sets_so_they_are_not_required(tmp_path):
     argv = " ".join(BASE).replace("--micro-batch-size 2 ", "").replace("--lr 3e-4 ", "").split()
-    config = parse_args(with_json(tmp_path, {"train_micro_batch_size_per_gpu": 4,
-                                             "optimizer": {"params": {"lr": 2e-4}}}, argv))
+    config = parse_args(
+        with_json(tmp_path, {"train_micro_batch_size_per_gpu": 4, "optimizer": {"params": {"lr": 2e-4}}}, argv)
+    )
     assert config.training.micro_batch_size == 4 and config.runtime_config(1).optimizer.params.lr == 2e-4
     with pytest.raises(ConfigError, match="--lr is required; give it, or optimizer.params.lr in --deepspeed_config"):
         parse_args(argv + ["--micro-batch-size", "2"])
@@ -123,8 +158,11 @@ BAD_FLAGS = [
     ("--zero-stage 4", r"--zero-stage: invalid choice: 4 \(choose from 0, 1, 2, 3\)"),
     ("--lr-decay-style cosin", "--lr-decay-style: invalid choice: 'cosin'"),
     ("--seq-length", "--seq-length: expected one argument"),
-    ("--initial-loss-scale 1e300 --fp16", r"--initial-loss-scale 1e\+300 is out of range \(as fp16.initial_scale_power 997: input should be less than "
-     r"or equal to 127\)"),
+    (
+        "--initial-loss-scale 1e300 --fp16",
+        r"--initial-loss-scale 1e\+300 is out of range \(as fp16.initial_scale_power 997: input should be less than "
+        r"or equal to 127\)",
+    ),
 ]
 
 
@@ -143,16 +181,31 @@ def test_megatron_override_scheduler_flag_is_accepted():
 
 def test_help_shows_every_default():
     text = " ".join(build_parser().format_help().split())
-    for expected in ("--weight-decay WEIGHT_DECAY (default: 0.01)", "--split SPLIT (default: 969,30,1)",
-                     "--topk TOPK, --moe-router-topk TOPK experts per token (default: 1)", "(default: learned_absolute)", "--min-lr MIN_LR (default: 0.0)"):
+    for expected in (
+        "--weight-decay WEIGHT_DECAY (default: 0.01)",
+        "--split SPLIT (default: 969,30,1)",
+        "--topk TOPK, --moe-router-topk TOPK experts per token (default: 1)",
+        "(default: learned_absolute)",
+        "--min-lr MIN_LR (default: 0.0)",
+    ):
         assert expected in text
 
 
 def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0_only(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "pretrain_gpt.py",
-               *BASE, "--hidden-szie", "64"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "pretrain_gpt.py",
+        *BASE,
+        "--hidden-szie",
+        "64",
+    ]
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     ours = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0
     assert ours == ["error: unknown flag --hidden-szie; did you mean --hidden-size?"]

@@ -50,8 +50,13 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = BIT_
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
-def assert_same_training(ours: CPUAdam, our_params: list[torch.Tensor], torch_optimizer: torch.optim.Optimizer,
-                         torch_params: list[torch.Tensor], exact: bool = BIT_EXACT) -> None:
+def assert_same_training(
+    ours: CPUAdam,
+    our_params: list[torch.Tensor],
+    torch_optimizer: torch.optim.Optimizer,
+    torch_params: list[torch.Tensor],
+    exact: bool = BIT_EXACT,
+) -> None:
     for mine, theirs in zip(our_params, torch_params):
         assert_same(mine.detach(), theirs.detach(), exact)
         for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -115,8 +120,14 @@ def test_thread_count_does_not_change_the_result() -> None:
             assert torch.equal(mine, first)
 
 
-def reference_without_bias_correction(param: torch.Tensor, grads: list[torch.Tensor], lr: float,
-                                      betas: tuple[float, float], eps: float, weight_decay: float) -> torch.Tensor:
+def reference_without_bias_correction(
+    param: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.Tensor:
     """DeepSpeed's bias_correction=False AdamW in float64: step size lr, no second-moment correction."""
     param = param.detach().double().clone()
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
@@ -143,12 +154,23 @@ def test_param_groups_with_their_own_settings() -> None:
     params = make_params()
     reference = clone(params)
     grads = make_grads(params, STEPS)
-    ours = CPUAdam([{"params": params[:2], "lr": 1e-3, "weight_decay": 0.1, "adamw_mode": False},
-                    {"params": params[2:4], "betas": (0.8, 0.99)},
-                    {"params": params[4:], "eps": 1e-6, "weight_decay": 0.05}], lr=1e-2)
+    ours = CPUAdam(
+        [
+            {"params": params[:2], "lr": 1e-3, "weight_decay": 0.1, "adamw_mode": False},
+            {"params": params[2:4], "betas": (0.8, 0.99)},
+            {"params": params[4:], "eps": 1e-6, "weight_decay": 0.05},
+        ],
+        lr=1e-2,
+    )
     adam = torch.optim.Adam(reference[:2], lr=1e-3, weight_decay=0.1, fused=True)
-    adamw = torch.optim.AdamW([{"params": reference[2:4], "betas": (0.8, 0.99), "weight_decay": 0.0},
-                               {"params": reference[4:], "eps": 1e-6, "weight_decay": 0.05}], lr=1e-2, fused=True)
+    adamw = torch.optim.AdamW(
+        [
+            {"params": reference[2:4], "betas": (0.8, 0.99), "weight_decay": 0.0},
+            {"params": reference[4:], "eps": 1e-6, "weight_decay": 0.05},
+        ],
+        lr=1e-2,
+        fused=True,
+    )
     for step_grads in grads:
         for param, mirror, grad in zip(params, reference, step_grads):
             param.grad, mirror.grad = grad.clone(), grad.clone()
@@ -182,8 +204,9 @@ def trained(optimizer_class: type, grads: list[list[torch.Tensor]], **arguments)
     return params, optimizer
 
 
-def resumed(optimizer_class: type, params: list[torch.Tensor], state: dict, grads: list[list[torch.Tensor]],
-            **arguments) -> tuple:
+def resumed(
+    optimizer_class: type, params: list[torch.Tensor], state: dict, grads: list[list[torch.Tensor]], **arguments
+) -> tuple:
     """(parameters, optimizer) of a fresh optimizer that loads `state` and trains on `grads`;
     lr 1.0 and no weight decay in its constructor, so the loaded groups must bring them back.
     The loaded groups replace the constructor's, so `arguments` (torch's fused=True, which our

@@ -17,8 +17,15 @@ def cuda_grid() -> ParallelGrid:
 
 
 def test_model_on_cuda_matches_cpu():
-    config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
-                       max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     model = GPTModel(config).eval()
     tokens = torch.randint(0, 128, (2, 32))
@@ -32,8 +39,16 @@ def test_model_on_cuda_matches_cpu():
 def test_engine_mixed_precision_step_on_cuda(precision):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).cuda()
-    engine = initialize(model, {"train_batch_size": 8, precision: {"enabled": True},
-                                "optimizer": {"params": {"lr": 1e-2}}, "gradient_clipping": 1.0}, cuda_grid())
+    engine = initialize(
+        model,
+        {
+            "train_batch_size": 8,
+            precision: {"enabled": True},
+            "optimizer": {"params": {"lr": 1e-2}},
+            "gradient_clipping": 1.0,
+        },
+        cuda_grid(),
+    )
     x, y = torch.randn(8, 64, device="cuda"), torch.randn(8, 1, device="cuda")
     losses = []
     for _ in range(20):
@@ -48,8 +63,17 @@ def test_engine_mixed_precision_step_on_cuda(precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_tiny_training_run_on_cuda(tmp_path, precision):
     corpus = write_corpus(tmp_path)
-    config = tiny_config(corpus, train_iters=30, eval_interval=30, eval_at_start=True, lr=1e-2, min_lr=1e-3,
-                         **{precision: True}, initial_loss_scale=2.0**16, save=str(tmp_path / "ckpt"))
+    config = tiny_config(
+        corpus,
+        train_iters=30,
+        eval_interval=30,
+        eval_at_start=True,
+        lr=1e-2,
+        min_lr=1e-3,
+        **{precision: True},
+        initial_loss_scale=2.0**16,
+        save=str(tmp_path / "ckpt"),
+    )
     result = Trainer(config, cuda_grid()).train()
     (_, first), (_, last) = result.validation
     assert last < first - 0.5
@@ -74,8 +98,17 @@ def test_moe_layer_on_cuda_matches_cpu():
 
 def test_moe_training_run_on_cuda(tmp_path):
     corpus = write_corpus(tmp_path)
-    config = tiny_config(corpus, train_iters=30, eval_interval=30, eval_at_start=True, lr=1e-2, min_lr=1e-3,
-                         bf16=True, num_experts=4, topk=2)
+    config = tiny_config(
+        corpus,
+        train_iters=30,
+        eval_interval=30,
+        eval_at_start=True,
+        lr=1e-2,
+        min_lr=1e-3,
+        bf16=True,
+        num_experts=4,
+        topk=2,
+    )
     result = Trainer(config, cuda_grid()).train()
     (_, first), (_, last) = result.validation
     assert last < first - 0.5

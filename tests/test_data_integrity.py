@@ -102,16 +102,35 @@ FIX = r"; the index is corrupt, regenerate it with tools/preprocess_data\.py\."
 @pytest.mark.parametrize(
     "offset, values, message",
     [
-        pytest.param(66, np.array([10]), r"d\.idx says sequence 2 starts at byte 10 of the \.bin file, but the "
-                     r"sizes before it put it at byte 8" + FIX, id="pointer"),
+        pytest.param(
+            66,
+            np.array([10]),
+            r"d\.idx says sequence 2 starts at byte 10 of the \.bin file, but the "
+            r"sizes before it put it at byte 8" + FIX,
+            id="pointer",
+        ),
         pytest.param(34, np.array([4], dtype=np.int32), r"sequence 1 starts at byte 6 .* at byte 8" + FIX, id="size"),
         pytest.param(50, np.array([2]), r"says sequence 0 starts at byte 2 .* at byte 0" + FIX, id="first pointer"),
-        pytest.param(34, np.array([3, -1, 6, 2], dtype=np.int32), r"gives sequence 1 a negative size \(-1 tokens\)"
-                     + FIX, id="negative size"),
-        pytest.param(82, np.array([0, 3, 1, 4]), r"d\.idx has a corrupt document index \(it must start at 0, "
-                     r"never decrease and end at 4\); regenerate it with tools/preprocess_data\.py\.", id="doc_idx"),
-        pytest.param(114, np.zeros(1), r"d\.idx is longer than its header says: .* \(114 bytes\) but the file "
-                     r"has 122 bytes; regenerate it with tools/preprocess_data\.py\.", id="extended"),
+        pytest.param(
+            34,
+            np.array([3, -1, 6, 2], dtype=np.int32),
+            r"gives sequence 1 a negative size \(-1 tokens\)" + FIX,
+            id="negative size",
+        ),
+        pytest.param(
+            82,
+            np.array([0, 3, 1, 4]),
+            r"d\.idx has a corrupt document index \(it must start at 0, "
+            r"never decrease and end at 4\); regenerate it with tools/preprocess_data\.py\.",
+            id="doc_idx",
+        ),
+        pytest.param(
+            114,
+            np.zeros(1),
+            r"d\.idx is longer than its header says: .* \(114 bytes\) but the file "
+            r"has 122 bytes; regenerate it with tools/preprocess_data\.py\.",
+            id="extended",
+        ),
     ],
 )
 def test_index_errors_say_what_is_wrong(tmp_path, offset, values, message):
@@ -137,33 +156,94 @@ BAD_DOC_IDX = r"d\.idx has a corrupt document index \(it must start at 0, never 
 @pytest.mark.parametrize(
     "dtype, suffix, damage, message",
     [
-        pytest.param(np.uint16, ".idx", at(0, np.frombuffer(b"X", np.uint8)), r"d\.idx is not a Megatron mmap index "
-                     r"\(bad magic bytes\); regenerate it", id="magic"),
-        pytest.param(np.uint16, ".idx", at(9, np.array([2], np.uint64)), r"d\.idx has index version 2, but only "
-                     r"version 1 is supported; regenerate it", id="version"),
-        pytest.param(np.int32, ".idx", at(17, np.array([7], np.uint8)), r"d\.idx declares unknown dtype code 7 "
-                     r"\(token codes: 1, 2, 3, 4, 5, 8\); the file is corrupt, regenerate it", id="float32 code"),
-        pytest.param(np.int64, ".idx", at(17, np.array([6], np.uint8)), r"declares unknown dtype code 6 ",
-                     id="float64 code"),
-        pytest.param(np.uint16, ".idx", at(17, np.array([4], np.uint8)), r"d\.idx says sequence 1 starts at byte 6 "
-                     r"of the \.bin file, but the sizes before it put it at byte 12" + FIX, id="wider dtype code"),
-        pytest.param(np.uint16, ".idx", at(18, np.array([6, 1], np.uint64)), r"says sequence 0 starts at byte 6 .* "
-                     r"at byte 0" + FIX, id="counts shifted, file size kept"),
-        pytest.param(np.uint16, ".idx", at(18, np.array([2**40], np.uint64)), r"d\.idx is truncated: its header "
-                     r"declares 1099511627776 sequences", id="sequence count"),
-        pytest.param(np.uint16, ".idx", at(26, np.array([5], np.uint64)), r"d\.idx is truncated: .* 5 document "
-                     r"entries \(122 bytes\) but the file has 114 bytes", id="doc_idx count"),
-        pytest.param(np.int32, ".idx", at(74, np.array([10**6])), r"says sequence 3 starts at byte 1000000 .* at "
-                     r"byte 32" + FIX, id="last pointer"),
-        pytest.param(np.uint16, ".idx", at(74, np.array([-2])), r"says sequence 3 starts at byte -2 of",
-                     id="negative pointer"),
-        pytest.param(np.uint16, ".idx", at(46, np.array([5], np.int32)), r"d\.bin has 20 bytes but .*d\.idx describes "
-                     r"26" + FILE_PAIR, id="last size"),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(0, np.frombuffer(b"X", np.uint8)),
+            r"d\.idx is not a Megatron mmap index "
+            r"\(bad magic bytes\); regenerate it",
+            id="magic",
+        ),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(9, np.array([2], np.uint64)),
+            r"d\.idx has index version 2, but only "
+            r"version 1 is supported; regenerate it",
+            id="version",
+        ),
+        pytest.param(
+            np.int32,
+            ".idx",
+            at(17, np.array([7], np.uint8)),
+            r"d\.idx declares unknown dtype code 7 "
+            r"\(token codes: 1, 2, 3, 4, 5, 8\); the file is corrupt, regenerate it",
+            id="float32 code",
+        ),
+        pytest.param(
+            np.int64, ".idx", at(17, np.array([6], np.uint8)), r"declares unknown dtype code 6 ", id="float64 code"
+        ),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(17, np.array([4], np.uint8)),
+            r"d\.idx says sequence 1 starts at byte 6 "
+            r"of the \.bin file, but the sizes before it put it at byte 12" + FIX,
+            id="wider dtype code",
+        ),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(18, np.array([6, 1], np.uint64)),
+            r"says sequence 0 starts at byte 6 .* "
+            r"at byte 0" + FIX,
+            id="counts shifted, file size kept",
+        ),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(18, np.array([2**40], np.uint64)),
+            r"d\.idx is truncated: its header "
+            r"declares 1099511627776 sequences",
+            id="sequence count",
+        ),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(26, np.array([5], np.uint64)),
+            r"d\.idx is truncated: .* 5 document "
+            r"entries \(122 bytes\) but the file has 114 bytes",
+            id="doc_idx count",
+        ),
+        pytest.param(
+            np.int32,
+            ".idx",
+            at(74, np.array([10**6])),
+            r"says sequence 3 starts at byte 1000000 .* at "
+            r"byte 32" + FIX,
+            id="last pointer",
+        ),
+        pytest.param(
+            np.uint16, ".idx", at(74, np.array([-2])), r"says sequence 3 starts at byte -2 of", id="negative pointer"
+        ),
+        pytest.param(
+            np.uint16,
+            ".idx",
+            at(46, np.array([5], np.int32)),
+            r"d\.bin has 20 bytes but .*d\.idx describes "
+            r"26" + FILE_PAIR,
+            id="last size",
+        ),
         pytest.param(np.uint16, ".idx", at(82, np.array([1])), BAD_DOC_IDX, id="doc_idx start"),
         pytest.param(np.uint16, ".idx", at(106, np.array([5])), BAD_DOC_IDX, id="doc_idx end"),
         pytest.param(np.uint16, ".idx", at(90, np.array([-1])), BAD_DOC_IDX, id="negative doc_idx"),
-        pytest.param(np.int32, ".bin", lambda data: data[:-4], r"d\.bin has 36 bytes but .*d\.idx describes 40"
-                     + FILE_PAIR, id=".bin short of a token"),
+        pytest.param(
+            np.int32,
+            ".bin",
+            lambda data: data[:-4],
+            r"d\.bin has 36 bytes but .*d\.idx describes 40" + FILE_PAIR,
+            id=".bin short of a token",
+        ),
         pytest.param(np.uint16, ".bin", lambda data: data + b"\0", r"d\.bin has 21 bytes", id=".bin a byte long"),
         pytest.param(np.uint16, ".bin", lambda data: b"", r"d\.bin has 0 bytes", id=".bin empty"),
     ],

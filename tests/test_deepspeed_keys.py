@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron.checkpoint.tensors import model_entries
-from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.config.deepspeed_keys import HINTS, UNBUILT, no_effect_notes
+from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
@@ -74,92 +74,230 @@ ZERO3_NVME = """{
 
 # (name, config text, what the loaded config holds or the refusal's words, notes expected)
 CONFIGS = [
-    ("Megatron-DeepSpeed MoE template", MOE_TEMPLATE.replace("CL", "false"),
-     {"zero_optimization.stage": 2, "bf16.enabled": True, "prescale_gradients": False, "wall_clock_breakdown": True}, []),
-    ("MoE template with curriculum learning on", MOE_TEMPLATE.replace("CL", "true"),
-     "curriculum_learning in .* turns on curriculum learning, which this toolkit does not build", []),
-    ("BERT fp16 with prescaling and comments", BERT_FP16,
-     {"prescale_gradients": True, "optimizer.type": "Adam", "fp16.enabled": True, "scheduler.type": "WarmupLR"},
-     ["zero_allow_untested_optimizer", "dataloader_drop_last", "fp16.auto_cast"]),
-    ("ZeRO-3 on NVMe with stage3_ spellings", ZERO3_NVME.replace('"thread_count": 1, ', ""),
-     {"zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
-      "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
-      "zero_optimization.offload_param.device": "nvme", "aio.use_gds": False},
-     ["zero_optimization.allgather_partitions", "zero_optimization.stage3_max_reuse_distance",
-      "zero_optimization.stage3_model_persistence_threshold"]),
+    (
+        "Megatron-DeepSpeed MoE template",
+        MOE_TEMPLATE.replace("CL", "false"),
+        {"zero_optimization.stage": 2, "bf16.enabled": True, "prescale_gradients": False, "wall_clock_breakdown": True},
+        [],
+    ),
+    (
+        "MoE template with curriculum learning on",
+        MOE_TEMPLATE.replace("CL", "true"),
+        "curriculum_learning in .* turns on curriculum learning, which this toolkit does not build",
+        [],
+    ),
+    (
+        "BERT fp16 with prescaling and comments",
+        BERT_FP16,
+        {"prescale_gradients": True, "optimizer.type": "Adam", "fp16.enabled": True, "scheduler.type": "WarmupLR"},
+        ["zero_allow_untested_optimizer", "dataloader_drop_last", "fp16.auto_cast"],
+    ),
+    (
+        "ZeRO-3 on NVMe with stage3_ spellings",
+        ZERO3_NVME.replace('"thread_count": 1, ', ""),
+        {
+            "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
+            "zero_optimization.offload_param.device": "nvme",
+            "aio.use_gds": False,
+        },
+        [
+            "zero_optimization.allgather_partitions",
+            "zero_optimization.stage3_max_reuse_distance",
+            "zero_optimization.stage3_model_persistence_threshold",
+        ],
+    ),
     ("a key DeepSpeed does not read either", ZERO3_NVME, r"unknown key 'aio.thread_count'", []),
-    ("legacy cpu_offload and bfloat16",
-     '{"train_batch_size": 4, "bfloat16": {"enabled": true},'
-     ' "zero_optimization": {"stage": 2, "cpu_offload": true, "cpu_offload_use_pin_memory": true}}',
-     {"bf16.enabled": True, "zero_optimization.offload_optimizer.device": "cpu"},
-     ["zero_optimization.cpu_offload_use_pin_memory"]),
-    ("legacy cpu_offload_param",
-     '{"train_batch_size": 4, "zero_optimization": {"stage": 3, "cpu_offload": true, "cpu_offload_param": true}}',
-     {"zero_optimization.offload_param.device": "cpu", "zero_optimization.offload_optimizer.device": "cpu"}, []),
-    ("cpu_offload beside offload_optimizer",
-     '{"train_batch_size": 4, "zero_optimization": {"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}}',
-     "cpu_offload is the old spelling of offload_optimizer; give only offload_optimizer", []),
-    ("boolean zero_optimization",
-     '{"train_batch_size": 4, "zero_optimization": true, "allgather_size": 2e8, "disable_allgather": true}',
-     {"zero_optimization.stage": 1, "zero_optimization.allgather_bucket_size": 200_000_000}, ["disable_allgather"]),
-    ("activation checkpointing and summed gradients",
-     '{"train_batch_size": 4, "gradient_allreduce_op": "SUM", "gradient_predivide_factor": 2.0,'
-     ' "activation_checkpointing": {"partition_activations": true, "contiguous_memory_optimization": false,'
-     ' "cpu_checkpointing": false, "number_checkpoints": 4, "synchronize_checkpoint_boundary": false, "profile": false}}',
-     {"gradient_allreduce_op": "sum", "gradient_predivide_factor": 2.0},
-     ["activation_checkpointing"] + [f"activation_checkpointing.{key}" for key in (
-         "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
-         "synchronize_checkpoint_boundary", "profile")]),
-    ("a bad activation_checkpointing value", '{"train_batch_size": 4, "activation_checkpointing": {"profile": "no"}}',
-     r"'activation_checkpointing.profile' .* valid boolean", []),
-    ("data efficiency off", '{"train_batch_size": 4, "data_efficiency": {"enabled": false, "seed": 1234,'
-     ' "data_routing": {"enabled": false, "random_ltd": {"enabled": false}}}}', {}, []),
-    ("random-LTD on", '{"train_batch_size": 4, "data_efficiency": {"enabled": true,'
-     ' "data_routing": {"enabled": true, "random_ltd": {"enabled": true}}}}',
-     "data_efficiency in .* turns on data efficiency's curriculum sampling or random-LTD", []),
-    ("compression off", '{"train_batch_size": 4, "compression_training": {"weight_quantization":'
-     ' {"shared_parameters": {"enabled": false}}, "sparse_pruning": {"shared_parameters": {"enabled": false}}}}', {}, []),
-    ("compression on", '{"train_batch_size": 4, "compression_training": {"weight_quantization":'
-     ' {"shared_parameters": {"enabled": true}}}}', "compression_training in .* turns on the compression library", []),
-    ("profilers and monitors off",
-     '{"train_batch_size": 4, "flops_profiler": {"enabled": false, "profile_step": 1}, "comms_logger": {"enabled": false},'
-     ' "wandb": {"enabled": false}, "csv_monitor": {"enabled": false}, "tensorboard": {"enabled": false}}', {}, []),
-    ("flops profiler on", '{"train_batch_size": 4, "flops_profiler": {"enabled": true, "profile_step": 1}}',
-     "flops_profiler in .* turns on the FLOPs profiler, which this toolkit does not build; remove it or turn it off", []),
-    ("wandb on", '{"train_batch_size": 4, "wandb": {"enabled": true, "project": "moe"}}',
-     "wandb in .* turns on Weights & Biases logging", []),
-    ("reduction in fp32", '{"train_batch_size": 4, "communication_data_type": "fp32",'
-     ' "data_types": {"grad_accum_dtype": "fp32"}}', {}, []),
-    ("reduction in fp16", '{"train_batch_size": 4, "communication_data_type": "fp16"}',
-     r"communication_data_type in .* gradient reduction in 16 bits.* set it to \"fp32\"", []),
-    ("accumulation in bf16", '{"train_batch_size": 4, "data_types": {"grad_accum_dtype": "bf16"}}',
-     "data_types in .* turns on gradient accumulation or parameters in 16 bits", []),
-    ("engine blocks without effect",
-     '{"train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 1}, "checkpoint": {"tag_validation": "Warn"},'
-     ' "timers": {"throughput": {"enabled": true}}, "compile": {"deepcompile": false}, "log_level": "info"}',
-     {}, ["pipeline", "checkpoint", "timers", "compile", "log_level"]),
-    ("DeepCompile on", '{"train_batch_size": 4, "compile": {"deepcompile": true}}', "compile in .* turns on DeepCompile", []),
+    (
+        "legacy cpu_offload and bfloat16",
+        '{"train_batch_size": 4, "bfloat16": {"enabled": true},'
+        ' "zero_optimization": {"stage": 2, "cpu_offload": true, "cpu_offload_use_pin_memory": true}}',
+        {"bf16.enabled": True, "zero_optimization.offload_optimizer.device": "cpu"},
+        ["zero_optimization.cpu_offload_use_pin_memory"],
+    ),
+    (
+        "legacy cpu_offload_param",
+        '{"train_batch_size": 4, "zero_optimization": {"stage": 3, "cpu_offload": true, "cpu_offload_param": true}}',
+        {"zero_optimization.offload_param.device": "cpu", "zero_optimization.offload_optimizer.device": "cpu"},
+        [],
+    ),
+    (
+        "cpu_offload beside offload_optimizer",
+        '{"train_batch_size": 4, "zero_optimization": {"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}}',
+        "cpu_offload is the old spelling of offload_optimizer; give only offload_optimizer",
+        [],
+    ),
+    (
+        "boolean zero_optimization",
+        '{"train_batch_size": 4, "zero_optimization": true, "allgather_size": 2e8, "disable_allgather": true}',
+        {"zero_optimization.stage": 1, "zero_optimization.allgather_bucket_size": 200_000_000},
+        ["disable_allgather"],
+    ),
+    (
+        "activation checkpointing and summed gradients",
+        '{"train_batch_size": 4, "gradient_allreduce_op": "SUM", "gradient_predivide_factor": 2.0,'
+        ' "activation_checkpointing": {"partition_activations": true, "contiguous_memory_optimization": false,'
+        ' "cpu_checkpointing": false, "number_checkpoints": 4, "synchronize_checkpoint_boundary": false, "profile": false}}',
+        {"gradient_allreduce_op": "sum", "gradient_predivide_factor": 2.0},
+        ["activation_checkpointing"]
+        + [
+            f"activation_checkpointing.{key}"
+            for key in (
+                "partition_activations",
+                "contiguous_memory_optimization",
+                "cpu_checkpointing",
+                "number_checkpoints",
+                "synchronize_checkpoint_boundary",
+                "profile",
+            )
+        ],
+    ),
+    (
+        "a bad activation_checkpointing value",
+        '{"train_batch_size": 4, "activation_checkpointing": {"profile": "no"}}',
+        r"'activation_checkpointing.profile' .* valid boolean",
+        [],
+    ),
+    (
+        "data efficiency off",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": false, "seed": 1234,'
+        ' "data_routing": {"enabled": false, "random_ltd": {"enabled": false}}}}',
+        {},
+        [],
+    ),
+    (
+        "random-LTD on",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": true,'
+        ' "data_routing": {"enabled": true, "random_ltd": {"enabled": true}}}}',
+        "data_efficiency in .* turns on data efficiency's curriculum sampling or random-LTD",
+        [],
+    ),
+    (
+        "compression off",
+        '{"train_batch_size": 4, "compression_training": {"weight_quantization":'
+        ' {"shared_parameters": {"enabled": false}}, "sparse_pruning": {"shared_parameters": {"enabled": false}}}}',
+        {},
+        [],
+    ),
+    (
+        "compression on",
+        '{"train_batch_size": 4, "compression_training": {"weight_quantization":'
+        ' {"shared_parameters": {"enabled": true}}}}',
+        "compression_training in .* turns on the compression library",
+        [],
+    ),
+    (
+        "profilers and monitors off",
+        '{"train_batch_size": 4, "flops_profiler": {"enabled": false, "profile_step": 1}, "comms_logger": {"enabled": false},'
+        ' "wandb": {"enabled": false}, "csv_monitor": {"enabled": false}, "tensorboard": {"enabled": false}}',
+        {},
+        [],
+    ),
+    (
+        "flops profiler on",
+        '{"train_batch_size": 4, "flops_profiler": {"enabled": true, "profile_step": 1}}',
+        "flops_profiler in .* turns on the FLOPs profiler, which this toolkit does not build; remove it or turn it off",
+        [],
+    ),
+    (
+        "wandb on",
+        '{"train_batch_size": 4, "wandb": {"enabled": true, "project": "moe"}}',
+        "wandb in .* turns on Weights & Biases logging",
+        [],
+    ),
+    (
+        "reduction in fp32",
+        '{"train_batch_size": 4, "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}',
+        {},
+        [],
+    ),
+    (
+        "reduction in fp16",
+        '{"train_batch_size": 4, "communication_data_type": "fp16"}',
+        r"communication_data_type in .* gradient reduction in 16 bits.* set it to \"fp32\"",
+        [],
+    ),
+    (
+        "accumulation in bf16",
+        '{"train_batch_size": 4, "data_types": {"grad_accum_dtype": "bf16"}}',
+        "data_types in .* turns on gradient accumulation or parameters in 16 bits",
+        [],
+    ),
+    (
+        "engine blocks without effect",
+        '{"train_batch_size": 4, "pipeline": {"activation_checkpoint_interval": 1}, "checkpoint": {"tag_validation": "Warn"},'
+        ' "timers": {"throughput": {"enabled": true}}, "compile": {"deepcompile": false}, "log_level": "info"}',
+        {},
+        ["pipeline", "checkpoint", "timers", "compile", "log_level"],
+    ),
+    (
+        "DeepCompile on",
+        '{"train_batch_size": 4, "compile": {"deepcompile": true}}',
+        "compile in .* turns on DeepCompile",
+        [],
+    ),
     ("Ulysses", '{"train_batch_size": 4, "sequence_parallel_size": 2}', "turns on Ulysses sequence parallelism", []),
-    ("data-first expert groups", '{"train_batch_size": 4, "use_data_before_expert_parallelism": true}',
-     "turns on data-parallel-first expert groups", []),
-    ("ZeRO++", '{"train_batch_size": 4, "zero_optimization": {"stage": 3, "zero_quantized_gradients": true}}',
-     r"zero_optimization.zero_quantized_gradients in .* ZeRO\+\+ quantized gradients", []),
-    ("fp16 master weights", '{"train_batch_size": 4, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}',
-     "fp16.fp16_master_weights_and_grads in .* fp16 master weights", []),
-    ("an optimizer DeepSpeed has and this toolkit not", '{"train_batch_size": 4, "optimizer": {"type": "Lion"}}',
-     r"bad value 'Lion' for 'optimizer.type'", []),
-    ("a misspelled key", '{"train_batch_size": 4, "prescale_gradient": true}',
-     r"unknown key 'prescale_gradient' .* did you mean 'prescale_gradients'\?", []),
-    ("a misspelled alias's inside", '{"train_batch_size": 4, "bfloat16": {"enabeld": true}}',
-     r"unknown key 'bfloat16.enabeld' .* did you mean 'enabled'\?", []),
-    ("a misspelled stage3 spelling", '{"train_batch_size": 4, "zero_optimization": {"max_reuse_distanc": 1}}',
-     r"did you mean 'max_reuse_distance'\?", []),
-    ("a bad averaging", '{"train_batch_size": 4, "gradient_allreduce_op": "max"}',
-     r"'gradient_allreduce_op' .* 'mean' or 'sum'", []),
-    ("a key twice", '{"train_batch_size": 4, "fp16": {"enabled": true, "enabled": false}}',
-     "key 'enabled' appears twice in one block; keep one of them", []),
-    ("hjson's unquoted keys", '{train_batch_size: 4}', r"at line 1 column 2; it must be JSON, with comments and "
-     r"trailing commas allowed \(quote every key and string\)", []),
+    (
+        "data-first expert groups",
+        '{"train_batch_size": 4, "use_data_before_expert_parallelism": true}',
+        "turns on data-parallel-first expert groups",
+        [],
+    ),
+    (
+        "ZeRO++",
+        '{"train_batch_size": 4, "zero_optimization": {"stage": 3, "zero_quantized_gradients": true}}',
+        r"zero_optimization.zero_quantized_gradients in .* ZeRO\+\+ quantized gradients",
+        [],
+    ),
+    (
+        "fp16 master weights",
+        '{"train_batch_size": 4, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}',
+        "fp16.fp16_master_weights_and_grads in .* fp16 master weights",
+        [],
+    ),
+    (
+        "an optimizer DeepSpeed has and this toolkit not",
+        '{"train_batch_size": 4, "optimizer": {"type": "Lion"}}',
+        r"bad value 'Lion' for 'optimizer.type'",
+        [],
+    ),
+    (
+        "a misspelled key",
+        '{"train_batch_size": 4, "prescale_gradient": true}',
+        r"unknown key 'prescale_gradient' .* did you mean 'prescale_gradients'\?",
+        [],
+    ),
+    (
+        "a misspelled alias's inside",
+        '{"train_batch_size": 4, "bfloat16": {"enabeld": true}}',
+        r"unknown key 'bfloat16.enabeld' .* did you mean 'enabled'\?",
+        [],
+    ),
+    (
+        "a misspelled stage3 spelling",
+        '{"train_batch_size": 4, "zero_optimization": {"max_reuse_distanc": 1}}',
+        r"did you mean 'max_reuse_distance'\?",
+        [],
+    ),
+    (
+        "a bad averaging",
+        '{"train_batch_size": 4, "gradient_allreduce_op": "max"}',
+        r"'gradient_allreduce_op' .* 'mean' or 'sum'",
+        [],
+    ),
+    (
+        "a key twice",
+        '{"train_batch_size": 4, "fp16": {"enabled": true, "enabled": false}}',
+        "key 'enabled' appears twice in one block; keep one of them",
+        [],
+    ),
+    (
+        "hjson's unquoted keys",
+        "{train_batch_size: 4}",
+        r"at line 1 column 2; it must be JSON, with comments and "
+        r"trailing commas allowed \(quote every key and string\)",
+        [],
+    ),
 ]
 
 
@@ -199,31 +337,45 @@ def test_every_hint_and_unbuilt_key_is_a_key_of_the_schema():
 def test_megatron_deepspeed_template_through_the_pretrain_flags(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(MOE_TEMPLATE.replace("CL", "false"))
-    flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --lr 3e-4 --train-iters 10 "
-             f"--data-path corpus --num-experts 4 --deepspeed --deepspeed_config {path}").split()
+    flags = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --lr 3e-4 --train-iters 10 "
+        f"--data-path corpus --num-experts 4 --deepspeed --deepspeed_config {path}"
+    ).split()
     config = parse_args(flags)
-    assert (config.training.global_batch_size, config.training.micro_batch_size, config.runtime_config(2).precision) == (16, 2, "bf16")
+    assert (
+        config.training.global_batch_size,
+        config.training.micro_batch_size,
+        config.runtime_config(2).precision,
+    ) == (16, 2, "bf16")
     runtime = with_data_parallel_size(config, 2).runtime_config(2)
     assert (runtime.zero_optimization.stage, runtime.gradient_accumulation_steps) == (2, 4)
 
 
 def test_legacy_cpu_offload_builds_the_cpu_optimizer():
-    engine = initialize(torch.nn.Linear(4, 2), {"train_batch_size": 1, "zero_optimization": {"stage": 1, "cpu_offload": True}},
-                        SINGLE)
+    engine = initialize(
+        torch.nn.Linear(4, 2), {"train_batch_size": 1, "zero_optimization": {"stage": 1, "cpu_offload": True}}, SINGLE
+    )
     assert isinstance(engine.optimizer, CPUAdam)
 
 
 def test_notes_are_logged_once_by_the_engine(capsys):
-    initialize(torch.nn.Linear(4, 2), {"train_batch_size": 1, "dump_state": True, "zero_allow_untested_optimizer": True},
-               SINGLE)
+    initialize(
+        torch.nn.Linear(4, 2),
+        {"train_batch_size": 1, "dump_state": True, "zero_allow_untested_optimizer": True},
+        SINGLE,
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if "no effect here" in line]
-    assert lines == [" > ds_config zero_allow_untested_optimizer: accepted, no effect here (ZeRO here partitions the "
-                     "state of any torch optimizer)",
-                     " > ds_config dump_state: accepted, no effect here (a DeepSpeed debugging print of its engine's state)"]
+    assert lines == [
+        " > ds_config zero_allow_untested_optimizer: accepted, no effect here (ZeRO here partitions the "
+        "state of any torch optimizer)",
+        " > ds_config dump_state: accepted, no effect here (a DeepSpeed debugging print of its engine's state)",
+    ]
 
 
 AVERAGING = {
-    "mean": {}, "predivide": {"gradient_predivide_factor": 4.0}, "prescale": {"prescale_gradients": True},
+    "mean": {},
+    "predivide": {"gradient_predivide_factor": 4.0},
+    "prescale": {"prescale_gradients": True},
     "sum": {"gradient_allreduce_op": "sum"},
 }
 
@@ -243,8 +395,12 @@ def _averaged_step(mode: str, stage: int) -> dict[str, torch.Tensor]:
     before_reduction = model[0].weight.grad.detach().clone() if stage == 0 else torch.zeros(0)
     engine.step()
     update = torch.cat([(s - p.detach()).flatten() for s, p in zip(start, model.parameters())])
-    return {"update": update, "local": local, "before_reduction": before_reduction,
-            "norm": torch.tensor(engine.last_grad_norm)}
+    return {
+        "update": update,
+        "local": local,
+        "before_reduction": before_reduction,
+        "norm": torch.tensor(engine.last_grad_norm),
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -259,7 +415,7 @@ def test_gradient_averaging_modes_follow_deepspeed(stage):
     torch.testing.assert_close(results["sum"][0]["update"], 2 * mean["update"], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(results["sum"][0]["norm"], 2 * mean["norm"])
     expected_mean = (results["mean"][0]["local"] + results["mean"][1]["local"]) / 2
-    torch.testing.assert_close(mean["update"][:expected_mean.numel()], expected_mean.flatten(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(mean["update"][: expected_mean.numel()], expected_mean.flatten(), rtol=1e-6, atol=1e-7)
     if stage == 0:
         for mode, divisor in (("mean", 1.0), ("predivide", 4.0), ("prescale", 2.0), ("sum", 1.0)):
             rank0 = results[mode][0]
@@ -286,7 +442,10 @@ def _consolidated(folder: str, gather: bool) -> dict[str, torch.Tensor]:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": gather}
     engine = initialize(Net(True, grid.ep_group), {"train_batch_size": 2, "zero_optimization": zero}, grid)
     written = engine.save_16bit_model(folder, f"gather{int(gather)}.safetensors")
-    return {"written": torch.tensor(written), "exists": torch.tensor((Path(folder) / f"gather{int(gather)}.safetensors").exists())}
+    return {
+        "written": torch.tensor(written),
+        "exists": torch.tensor((Path(folder) / f"gather{int(gather)}.safetensors").exists()),
+    }
 
 
 def test_zero3_consolidates_every_expert_only_when_asked(tmp_path):

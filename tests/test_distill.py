@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.config.flags import parse_args
 from megatron.checkpoint.layout import LATEST_FILE
+from megatron.config.flags import parse_args
 from megatron.errors import CheckpointError, ConfigError
 from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.model.tensor_parallel import tensor_parallel_split
@@ -27,13 +27,22 @@ def corpus(tmp_path_factory) -> str:
 def teacher(corpus, tmp_path_factory) -> str:
     """A 4-layer MoE teacher (4 experts on layers 2 and 4), trained a little and saved."""
     save = tmp_path_factory.mktemp("teacher") / "ckpt"
-    Trainer(tiny_config(corpus, num_layers=4, num_experts=[4], train_iters=4, save=str(save), **NO_DROPOUT), SINGLE).train()
+    Trainer(
+        tiny_config(corpus, num_layers=4, num_experts=[4], train_iters=4, save=str(save), **NO_DROPOUT), SINGLE
+    ).train()
     return str(save)
 
 
 def kd_config(corpus: str, teacher: str, **overrides):
-    flags = {"num_layers": 2, "kd": True, "load_teacher": teacher, "eval_interval": 100, "lr_warmup_iters": None,
-             **NO_DROPOUT, **overrides}
+    flags = {
+        "num_layers": 2,
+        "kd": True,
+        "load_teacher": teacher,
+        "eval_interval": 100,
+        "lr_warmup_iters": None,
+        **NO_DROPOUT,
+        **overrides,
+    }
     return tiny_config(corpus, **flags)
 
 
@@ -52,8 +61,18 @@ def test_kd_divergence_is_temperature_scaled_kl_of_softened_distributions():
 
 def test_kd_term_starts_near_zero_with_the_student_initialised_from_its_teacher(corpus, teacher, capsys):
     # the same shape as the teacher: every weight copied, so the student's logits are the teacher's
-    trainer = Trainer(kd_config(corpus, teacher, num_layers=4, num_experts=[4], train_iters=1,
-                                mos_init_from_teacher=True, disable_moe_token_dropping=True), SINGLE)
+    trainer = Trainer(
+        kd_config(
+            corpus,
+            teacher,
+            num_layers=4,
+            num_experts=[4],
+            train_iters=1,
+            mos_init_from_teacher=True,
+            disable_moe_token_dropping=True,
+        ),
+        SINGLE,
+    )
     result = trainer.train()
     assert result.kd_losses[0] < 1e-5
     out = capsys.readouterr().out
@@ -63,8 +82,9 @@ def test_kd_term_starts_near_zero_with_the_student_initialised_from_its_teacher(
 
 def test_init_from_teacher_keeps_the_layers_the_student_has(corpus, teacher, capsys):
     # student: 3 layers, 8 experts on layer 2 where the teacher has 4 -> layer 2's MoE stays fresh
-    trainer = Trainer(kd_config(corpus, teacher, num_layers=3, num_experts=[8], train_iters=1,
-                                mos_init_from_teacher=True), SINGLE)
+    trainer = Trainer(
+        kd_config(corpus, teacher, num_layers=3, num_experts=[8], train_iters=1, mos_init_from_teacher=True), SINGLE
+    )
     out = capsys.readouterr().out
     assert "layers 1, 3 whole; layers 2 partly" in out and "teacher layers 4 unused" in out
     student, teacher_model = trainer.engine.module.state_dict(), trainer.teacher.state_dict()
@@ -77,16 +97,31 @@ def test_a_modern_moe_student_distils_from_a_modern_teacher(corpus, tmp_path):
     """MoS with today's architecture on both sides (SwiGLU bias-free fine-grained and shared experts,
     sigmoid routing with expert bias, GQA, rope, untied head): the student starts as the teacher."""
     save = tmp_path / "teacher"
-    Trainer(tiny_config(corpus, num_layers=4, train_iters=3, save=str(save), **NO_DROPOUT, **MODERN_MOE), SINGLE).train()
-    trainer = Trainer(kd_config(corpus, str(save), num_layers=4, train_iters=1, mos_init_from_teacher=True,
-                                disable_moe_token_dropping=True, **MODERN_MOE), SINGLE)
+    Trainer(
+        tiny_config(corpus, num_layers=4, train_iters=3, save=str(save), **NO_DROPOUT, **MODERN_MOE), SINGLE
+    ).train()
+    trainer = Trainer(
+        kd_config(
+            corpus,
+            str(save),
+            num_layers=4,
+            train_iters=1,
+            mos_init_from_teacher=True,
+            disable_moe_token_dropping=True,
+            **MODERN_MOE,
+        ),
+        SINGLE,
+    )
     assert trainer.train().kd_losses[0] < 1e-5
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"swiglu": True, "ffn_hidden_size": 64}, "swiglu False there, True here"),  # the same [128, 32] first weight
-    ({"group_query_attention": True, "num_query_groups": 4}, "QKV layout on one side only"),  # G = N: same shape
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"swiglu": True, "ffn_hidden_size": 64}, "swiglu False there, True here"),  # the same [128, 32] first weight
+        ({"group_query_attention": True, "num_query_groups": 4}, "QKV layout on one side only"),  # G = N: same shape
+    ],
+)
 def test_init_from_teacher_refuses_same_shaped_tensors_of_another_meaning(corpus, teacher, options, message):
     with pytest.raises(ConfigError, match=message):
         Trainer(kd_config(corpus, teacher, train_iters=1, mos_init_from_teacher=True, **options), SINGLE)
@@ -105,7 +140,9 @@ def test_staged_kd_stops_frees_the_teacher_and_a_later_resume_never_reads_it(cor
     teacher_copy = tmp_path / "teacher"
     shutil.copytree(teacher, teacher_copy)
     save = tmp_path / "student"
-    full = Trainer(kd_config(corpus, str(teacher_copy), train_iters=6, kd_stop_iters=3, save=str(save), save_interval=4), SINGLE)
+    full = Trainer(
+        kd_config(corpus, str(teacher_copy), train_iters=6, kd_stop_iters=3, save=str(save), save_interval=4), SINGLE
+    )
     result = full.train()
     assert all(kd > 0 for kd in result.kd_losses[:3]) and result.kd_losses[3:] == [0.0, 0.0, 0.0]
     assert full.teacher is None
@@ -115,13 +152,16 @@ def test_staged_kd_stops_frees_the_teacher_and_a_later_resume_never_reads_it(cor
     shutil.copytree(save / "iter_0000004", resumed_dir / "iter_0000004")
     (resumed_dir / LATEST_FILE).write_text("4\n")
     shutil.rmtree(teacher_copy)  # a resume after the stop must not need the teacher
-    resumed = Trainer(kd_config(corpus, str(teacher_copy), train_iters=6, kd_stop_iters=3, load=str(resumed_dir)), SINGLE)
+    resumed = Trainer(
+        kd_config(corpus, str(teacher_copy), train_iters=6, kd_stop_iters=3, load=str(resumed_dir)), SINGLE
+    )
     assert resumed.teacher is None and "the teacher is not loaded" in capsys.readouterr().out
     assert resumed.train().losses == result.losses[4:]
 
 
 def test_teacher_targets_do_not_depend_on_the_micro_batch_split(corpus, teacher):
     """The teacher runs dropless, so 4 micro-batches of 1 equal 1 micro-batch of 4 with KD on."""
+
     def kd_losses(micro_batch_size: int) -> list[float]:
         config = kd_config(corpus, teacher, train_iters=2, micro_batch_size=micro_batch_size, global_batch_size=4)
         return Trainer(config, SINGLE).train().kd_losses
@@ -131,8 +171,15 @@ def test_teacher_targets_do_not_depend_on_the_micro_batch_split(corpus, teacher)
 
 def _kd_parameters(corpus: str, teacher: str, dp_size: int) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"), ep_size=dp_size)
-    config = kd_config(corpus, teacher, dp_size=dp_size, train_iters=3, micro_batch_size=1, global_batch_size=4,
-                       moe_expert_parallel_size=dp_size)
+    config = kd_config(
+        corpus,
+        teacher,
+        dp_size=dp_size,
+        train_iters=3,
+        micro_batch_size=1,
+        global_batch_size=4,
+        moe_expert_parallel_size=dp_size,
+    )
     trainer = Trainer(config, grid)
     result = trainer.train()
     params = {name: p.detach().clone() for name, p in trainer.engine.module.named_parameters()}
@@ -154,27 +201,56 @@ def tp_teacher(corpus, tmp_path_factory) -> str:
     """The teacher again, its vocabulary padded to 64 rows: what a student pads to at TP=2 with
     --make-vocab-size-divisible-by 32."""
     save = tmp_path_factory.mktemp("tp_teacher") / "ckpt"
-    Trainer(tiny_config(corpus, num_layers=4, num_experts=[4], train_iters=4, save=str(save), make_vocab_size_divisible_by=64,
-                        **NO_DROPOUT), SINGLE).train()
+    Trainer(
+        tiny_config(
+            corpus,
+            num_layers=4,
+            num_experts=[4],
+            train_iters=4,
+            save=str(save),
+            make_vocab_size_divisible_by=64,
+            **NO_DROPOUT,
+        ),
+        SINGLE,
+    ).train()
     return str(save)
 
 
-def _kd_model_parallel(corpus: str, teacher: str, tp_size: int, expert_tp_size: int, pp_size: int = 1) -> dict[str, torch.Tensor]:
+def _kd_model_parallel(
+    corpus: str, teacher: str, tp_size: int, expert_tp_size: int, pp_size: int = 1
+) -> dict[str, torch.Tensor]:
     """An MoE student initialised from the teacher and distilled from it for 3 iterations, with the
     student and the teacher split over tp_size (and their experts over expert_tp_size), the student
     over pp_size pipeline stages; this rank's student parameters (whole), the KD losses and the
     teacher's parameter count on the rank (0 on a pipeline stage without it)."""
     grid = build_parallel_grid(torch.device("cpu"), tp_size=tp_size, expert_tp_size=expert_tp_size, pp_size=pp_size)
-    config = kd_config(corpus, teacher, train_iters=3, num_experts=[4], disable_moe_token_dropping=True,
-                       mos_init_from_teacher=True, make_vocab_size_divisible_by=32, tensor_model_parallel_size=tp_size,
-                       sequence_parallel=tp_size > 1, expert_tensor_parallel_size=expert_tp_size,
-                       pipeline_model_parallel_size=pp_size)
+    config = kd_config(
+        corpus,
+        teacher,
+        train_iters=3,
+        num_experts=[4],
+        disable_moe_token_dropping=True,
+        mos_init_from_teacher=True,
+        make_vocab_size_divisible_by=32,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=tp_size > 1,
+        expert_tensor_parallel_size=expert_tp_size,
+        pipeline_model_parallel_size=pp_size,
+    )
     trainer = Trainer(config, grid)
     teacher_numel = sum(p.numel() for p in trainer.teacher.parameters()) if trainer.teacher is not None else 0
     result = trainer.train()
-    params = {name: (p.detach() if tensor_parallel_split(p) is None else tensor_parallel_split(p).whole_of(p.detach())).clone()
-              for name, p in trainer.engine.module.named_parameters()}
-    return {**params, "kd": torch.tensor(result.kd_losses, dtype=torch.float64), "teacher_numel": torch.tensor(teacher_numel)}
+    params = {
+        name: (
+            p.detach() if tensor_parallel_split(p) is None else tensor_parallel_split(p).whole_of(p.detach())
+        ).clone()
+        for name, p in trainer.engine.module.named_parameters()
+    }
+    return {
+        **params,
+        "kd": torch.tensor(result.kd_losses, dtype=torch.float64),
+        "teacher_numel": torch.tensor(teacher_numel),
+    }
 
 
 def test_kd_under_tensor_and_expert_tensor_parallelism_equals_one_process(corpus, tp_teacher):
@@ -185,8 +261,13 @@ def test_kd_under_tensor_and_expert_tensor_parallelism_equals_one_process(corpus
         for rank, result in enumerate(run_distributed(_kd_model_parallel, 2, corpus, tp_teacher, 2, expert_tp_size)):
             assert result.pop("teacher_numel") < (0.7 if expert_tp_size == 2 else 0.9) * whole_teacher
             for name, value in single.items():
-                torch.testing.assert_close(result[name], value, rtol=1e-4, atol=1e-5,
-                                           msg=f"TP=2 expert-TP={expert_tp_size} rank {rank}: {name}")
+                torch.testing.assert_close(
+                    result[name],
+                    value,
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=f"TP=2 expert-TP={expert_tp_size} rank {rank}: {name}",
+                )
 
 
 def test_kd_under_pipeline_parallelism_equals_one_process(corpus, tp_teacher):
@@ -205,22 +286,30 @@ def test_kd_under_pipeline_parallelism_equals_one_process(corpus, tp_teacher):
 def test_teacher_errors_name_the_problem_before_training(corpus, teacher, tmp_path):
     with pytest.raises(CheckpointError, match=r"--load-teacher .* holds no checkpoint"):
         Trainer(kd_config(corpus, str(tmp_path / "nothing")), SINGLE)
-    with pytest.raises(ConfigError, match=r"--num-layers-teacher 6 but the checkpoint has 4; "
-                                          r"--num-experts-teacher 8 but the checkpoint has \[1, 4, 1, 4\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--num-layers-teacher 6 but the checkpoint has 4; "
+        r"--num-experts-teacher 8 but the checkpoint has \[1, 4, 1, 4\]",
+    ):
         Trainer(kd_config(corpus, teacher, num_layers_teacher=6, num_experts_teacher=[8]), SINGLE)
     with pytest.raises(ConfigError, match="the teacher's vocabulary has 128 .* student's has 256"):
         Trainer(kd_config(corpus, teacher, vocab_size=200), SINGLE)
-    Trainer(kd_config(corpus, teacher, num_layers_teacher=4, num_experts_teacher=[4, 4], mlp_type_teacher="standard"),
-            SINGLE)  # flags that state the teacher correctly are fine
+    Trainer(
+        kd_config(corpus, teacher, num_layers_teacher=4, num_experts_teacher=[4, 4], mlp_type_teacher="standard"),
+        SINGLE,
+    )  # flags that state the teacher correctly are fine
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"kd": True}, "add --load-teacher DIR"),
-    ({"num_layers_teacher": 4}, "--num-layers-teacher was given without --kd"),
-    ({"kd": True, "load_teacher": "t", "kd_stop_iters": 2, "kd_stop_tokens": 64}, "use only one of them"),
-    ({"load_teacher": "t", "mos_init_from_teacher": True, "kd_stop_iters": 2}, "stop a KD term that is off"),
-    ({"kd": True, "load_teacher": "t", "kd_temp": 0}, "--kd-temp: .0. is not a positive number"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"kd": True}, "add --load-teacher DIR"),
+        ({"num_layers_teacher": 4}, "--num-layers-teacher was given without --kd"),
+        ({"kd": True, "load_teacher": "t", "kd_stop_iters": 2, "kd_stop_tokens": 64}, "use only one of them"),
+        ({"load_teacher": "t", "mos_init_from_teacher": True, "kd_stop_iters": 2}, "stop a KD term that is off"),
+        ({"kd": True, "load_teacher": "t", "kd_temp": 0}, "--kd-temp: .0. is not a positive number"),
+    ],
+)
 def test_distillation_flag_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(tiny_flags("corpus", **extra))

@@ -30,8 +30,12 @@ from megatron.parallel import build_parallel_grid
 from tasks.eval_harness import evaluate as harness
 from tasks.eval_harness.report import markdown_table
 from tests.dist_utils import run_distributed
-from tests.inference_fixtures import one_thread  # noqa: F401 (autouse: one thread per module)
-from tests.inference_fixtures import ByteTokenizer, tiny_model, train_checkpoint
+from tests.inference_fixtures import (
+    ByteTokenizer,
+    one_thread,  # noqa: F401 (autouse: one thread per module)
+    tiny_model,
+    train_checkpoint,
+)
 from tests.training_fixtures import write_corpus
 
 
@@ -51,14 +55,16 @@ def greedy_next(model, tokens: list[int]) -> int:
 def test_loglikelihood_is_the_sum_of_the_models_token_logprobs(experts):
     model = tiny_model(experts)
     g = torch.Generator().manual_seed(0)
-    requests = [(torch.randint(0, 64, (n,), generator=g).tolist(), torch.randint(0, 64, (m,), generator=g).tolist())
-                for n, m in [(5, 3), (1, 1), (12, 4), (7, 1), (20, 12)]]
+    requests = [
+        (torch.randint(0, 64, (n,), generator=g).tolist(), torch.randint(0, 64, (m,), generator=g).tolist())
+        for n, m in [(5, 3), (1, 1), (12, 4), (7, 1), (20, 12)]
+    ]
     scores = score_continuations(model, requests, batch_size=2)
     for (context, continuation), score in zip(requests, scores):
-        expected = direct_logprobs(model, context + continuation)[-len(continuation):]
+        expected = direct_logprobs(model, context + continuation)[-len(continuation) :]
         assert score.logprob == pytest.approx(float(expected.sum()), abs=1e-4)
         with torch.no_grad():
-            argmax = model(torch.tensor([context + continuation]))[0].argmax(-1)[len(context) - 1:-1]
+            argmax = model(torch.tensor([context + continuation]))[0].argmax(-1)[len(context) - 1 : -1]
         assert score.is_greedy == (argmax.tolist() == continuation)
     greedy = [1, 2, 3]
     greedy.append(greedy_next(model, greedy))
@@ -80,8 +86,10 @@ def test_rolling_loglikelihood_predicts_every_token_once():
     assert all(len(ctx) + len(cont) <= 9 for ctx, cont in windows)
     # by hand: windows of 8 predictions, each read with the 8 tokens before its last prediction
     full = [63, *text]
-    expected = sum(float(direct_logprobs(model, full[max(0, stop - 9):stop])[-(stop - start):].sum())
-                   for start, stop in [(1, 9), (9, 17), (17, 20)])
+    expected = sum(
+        float(direct_logprobs(model, full[max(0, stop - 9) : stop])[-(stop - start) :].sum())
+        for start, stop in [(1, 9), (9, 17), (17, 20)]
+    )
     short = text[:7]
     got = rolling_loglikelihoods(model, [text, short], eod=63, batch_size=2)
     assert got[0] == pytest.approx(expected, abs=1e-4)
@@ -110,7 +118,7 @@ def test_last_word_accuracy_matches_the_models_own_predictions():
         ctx_ids, cont_ids = tokenizer.tokenize(context), tokenizer.tokenize(" " + word)
         full = ctx_ids + cont_ids
         with torch.no_grad():
-            argmax = model(torch.tensor([full]))[0].argmax(-1)[len(ctx_ids) - 1:-1].tolist()
+            argmax = model(torch.tensor([full]))[0].argmax(-1)[len(ctx_ids) - 1 : -1].tolist()
         expected.append(argmax == cont_ids)
     assert any(expected) or not any(expected)  # the expectation comes from the model, whatever it is
     assert last_word_accuracy(model, tokenizer, docs, batch_size=3) == sum(expected) / len(docs)
@@ -120,15 +128,19 @@ def test_two_choice_accuracy_matches_the_models_own_logprobs():
     model = tiny_model(vocab=384, max_positions=96)
     tokenizer = ByteTokenizer()
     docs, correct = [], 0
-    for i, (goal, sol1, sol2) in enumerate([("To dry a towel,", "hang it up.", "fold it wet."),
-                                             ("To boil water,", "heat it.", "freeze it."),
-                                             ("To open a jar,", "twist the lid.", "shake it."),
-                                             ("To sort a list,", "call sorted.", "reverse it.")]):
+    for i, (goal, sol1, sol2) in enumerate(
+        [
+            ("To dry a towel,", "hang it up.", "fold it wet."),
+            ("To boil water,", "heat it.", "freeze it."),
+            ("To open a jar,", "twist the lid.", "shake it."),
+            ("To sort a list,", "call sorted.", "reverse it."),
+        ]
+    ):
         doc = {"goal": goal, "sol1": sol1, "sol2": sol2}
         lps = []
         for context, choice in two_choice_pairs(doc):
             ids = tokenizer.tokenize(context)
-            lps.append(float(direct_logprobs(model, ids + tokenizer.tokenize(choice))[len(ids) - 1:].sum()))
+            lps.append(float(direct_logprobs(model, ids + tokenizer.tokenize(choice))[len(ids) - 1 :].sum()))
         better = int(lps[1] > lps[0])
         doc["label"] = better if i < 3 else 1 - better  # three right answers, one wrong: 0.75
         correct += doc["label"] == better
@@ -140,8 +152,10 @@ def test_two_choice_accuracy_matches_the_models_own_logprobs():
 def test_moe_scores_are_the_same_twice_and_for_any_batch_size():
     model = tiny_model(experts=4, topk=1)
     g = torch.Generator().manual_seed(5)
-    requests = [(torch.randint(0, 64, (n,), generator=g).tolist(), torch.randint(0, 64, (3,), generator=g).tolist())
-                for n in (4, 9, 2, 15, 6)]
+    requests = [
+        (torch.randint(0, 64, (n,), generator=g).tolist(), torch.randint(0, 64, (3,), generator=g).tolist())
+        for n in (4, 9, 2, 15, 6)
+    ]
     first = score_continuations(model, requests, batch_size=5)
     second = score_continuations(model, requests, batch_size=5)
     single = score_continuations(model, requests, batch_size=1)
@@ -204,8 +218,10 @@ def test_perplexity_tool_on_indexed_data_and_jsonl(ep2_checkpoint, tmp_path, cap
     stream = [t for i in range(3) for t in MMapIndexedDataset(corpus)[i].tolist()][:40]
     loss, count = stream_perplexity(loaded.model, stream, batch_size=2)
     seq = loaded.config.max_position_embeddings
-    by_hand = [-float(direct_logprobs(loaded.model, stream[max(0, stop - seq - 1):stop])[-(stop - start):].sum())
-               for start, stop in [(s, min(s + seq, len(stream))) for s in range(1, len(stream), seq)]]
+    by_hand = [
+        -float(direct_logprobs(loaded.model, stream[max(0, stop - seq - 1) : stop])[-(stop - start) :].sum())
+        for start, stop in [(s, min(s + seq, len(stream))) for s in range(1, len(stream), seq)]
+    ]
     assert count == 39 and loss == pytest.approx(sum(by_hand) / 39, abs=1e-5)
     ppl_main(["--load", save, "--data-path", corpus, "--max-tokens", "40", "--batch-size", "3"])
     assert f"tokens: 39 | lm loss: {loss:.4f}" in capsys.readouterr().out
@@ -234,8 +250,20 @@ def test_evaluate_script_writes_results_and_the_paper_table(ep2_checkpoint, tmp_
     data.mkdir()
     (data / "lambada_local.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in LAST_WORD_DOCS))
     out = tmp_path / "out"
-    harness.main(["--load", save, "--tasks", "lambada_local", "--task-data-dir", str(data),
-                  "--output_path", str(out), "--batch_size", "2"])
+    harness.main(
+        [
+            "--load",
+            save,
+            "--tasks",
+            "lambada_local",
+            "--task-data-dir",
+            str(data),
+            "--output_path",
+            str(out),
+            "--batch_size",
+            "2",
+        ]
+    )
     results = json.loads((out / "results.json").read_text())
     loaded = load_model(save)
     expected = last_word_accuracy(loaded.model, loaded.tokenizer, LAST_WORD_DOCS)
@@ -254,24 +282,33 @@ def test_evaluate_script_without_lm_eval_says_how_to_install_it(ep2_checkpoint, 
 
 
 def test_markdown_table_follows_the_papers_column_order():
-    results = {"results": {"custom": {"acc,none": 0.5}, "piqa": {"acc,none": 0.61, "acc_norm,none": 0.62},
-                           "lambada_openai": {"perplexity,none": 40.0, "acc,none": 0.4}}}
+    results = {
+        "results": {
+            "custom": {"acc,none": 0.5},
+            "piqa": {"acc,none": 0.61, "acc_norm,none": 0.62},
+            "lambada_openai": {"perplexity,none": 40.0, "acc,none": 0.4},
+        }
+    }
     lines = markdown_table(results, "1.3B+MoE-128").splitlines()
     assert lines[0] == "| model | LAMBADA | PIQA | custom |"
     assert lines[2] == "| 1.3B+MoE-128 | 40.00 | 61.00 | 50.00 |"
 
 
 def test_lm_eval_adapter_agrees_with_the_local_scorer(tmp_path):
-    pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (pip install .[eval]); its adapter is untested here")
+    pytest.importorskip(
+        "lm_eval", reason="lm-eval is an optional extra (pip install .[eval]); its adapter is untested here"
+    )
     from lm_eval import simple_evaluate
 
     from tasks.eval_harness.lm_adapter import MegatronLM
 
     model, tokenizer = tiny_model(vocab=384, max_positions=96), ByteTokenizer()
     loaded = LoadedModel(model, tokenizer, model.config, 0, tmp_path)
-    piqa = [{"goal": "To dry a towel,", "sol1": "hang it up.", "sol2": "fold it wet.", "label": 0},
-            {"goal": "To boil water,", "sol1": "heat it.", "sol2": "freeze it.", "label": 1},
-            {"goal": "To open a jar,", "sol1": "twist the lid.", "sol2": "shake it.", "label": 1}]
+    piqa = [
+        {"goal": "To dry a towel,", "sol1": "hang it up.", "sol2": "fold it wet.", "label": 0},
+        {"goal": "To boil water,", "sol1": "heat it.", "sol2": "freeze it.", "label": 1},
+        {"goal": "To open a jar,", "sol1": "twist the lid.", "sol2": "shake it.", "label": 1},
+    ]
     lambada = [{"text": "the cat sat on the mat"}, {"text": "a b c d"}]
     for name, docs in (("piqa_local", piqa), ("lambada_local", lambada)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
@@ -283,12 +320,15 @@ def test_lm_eval_adapter_agrees_with_the_local_scorer(tmp_path):
     assert rolling[0] == pytest.approx(rolling_loglikelihoods(model, [tokenizer.tokenize("hello world")], 256)[0])
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'{"text": "a"}\n{"text": "b"\n', r"t.jsonl line 2 is not valid JSON"),
-    (b'{"text": "a"}\n\n{"other": 1}\n', r"t.jsonl line 3 lacks text; every line needs text"),
-    (b'{"text": "a \xff"}\n', r"t.jsonl line 1 holds text that is not valid UTF-8"),
-    (b'[1, 2]\n', r"t.jsonl line 1 is a list, not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"text": "a"}\n{"text": "b"\n', r"t.jsonl line 2 is not valid JSON"),
+        (b'{"text": "a"}\n\n{"other": 1}\n', r"t.jsonl line 3 lacks text; every line needs text"),
+        (b'{"text": "a \xff"}\n', r"t.jsonl line 1 holds text that is not valid UTF-8"),
+        (b"[1, 2]\n", r"t.jsonl line 1 is a list, not a JSON object"),
+    ],
+)
 def test_evaluation_jsonl_errors_name_the_line(tmp_path, content, message):
     (tmp_path / "t.jsonl").write_bytes(content)
     with pytest.raises(DataError, match=message):

@@ -15,8 +15,11 @@ from megatron.inference.generate_tool import main as generate_main
 from megatron.inference.generation import generate
 from megatron.inference.sampling import SamplingConfig, sample_next
 from megatron.model import GPTConfig, GPTModel
-from tests.inference_fixtures import one_thread  # noqa: F401 (autouse: one thread per module)
-from tests.inference_fixtures import tiny_model, train_checkpoint
+from tests.inference_fixtures import (
+    one_thread,  # noqa: F401 (autouse: one thread per module)
+    tiny_model,
+    train_checkpoint,
+)
 from tests.training_fixtures import write_corpus
 
 MODELS = [(1, "learned_absolute"), (1, "rope"), (4, "learned_absolute"), (4, "rope")]
@@ -30,7 +33,7 @@ def test_cached_logits_equal_full_forward(experts, position):
         full_BSV = model(tokens_BS)
         cache = model.new_kv_cache(2, 12)
         steps = [model(tokens_BS[:, :5], kv_cache=cache)]  # a prompt, then one token at a time
-        steps += [model(tokens_BS[:, t:t + 1], kv_cache=cache) for t in range(5, 12)]
+        steps += [model(tokens_BS[:, t : t + 1], kv_cache=cache) for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full_BSV, rtol=1e-4, atol=1e-5)
     assert cache.length == 12
 
@@ -64,8 +67,16 @@ def test_a_prompt_that_fills_the_context_is_refused():
 
 def test_generation_refuses_a_model_that_drops_tokens():
     torch.manual_seed(0)
-    dropping = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                                  max_position_embeddings=16, num_experts=(4,))).eval()
+    dropping = GPTModel(
+        GPTConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            vocab_size=64,
+            max_position_embeddings=16,
+            num_experts=(4,),
+        )
+    ).eval()
     with pytest.raises(ConfigError, match="drop tokens"):
         generate(dropping, torch.zeros(1, 3, dtype=torch.long), 4)
 
@@ -153,8 +164,17 @@ def test_a_checkpoint_without_a_usable_model_config_is_refused(checkpoint, tmp_p
     (copy / "iter_0000003" / "manifest.json").unlink()  # as saved before manifests: nothing checks the edits
     engine_json = copy / "iter_0000003" / "engine.json"
     meta = json.loads(engine_json.read_text())
-    engine_json.write_text(json.dumps({**meta, "client_state": {**meta["client_state"], "model_config": {
-        **meta["client_state"]["model_config"], "attention_heads": 4}}}))
+    engine_json.write_text(
+        json.dumps(
+            {
+                **meta,
+                "client_state": {
+                    **meta["client_state"],
+                    "model_config": {**meta["client_state"]["model_config"], "attention_heads": 4},
+                },
+            }
+        )
+    )
     with pytest.raises(CheckpointError, match="does not fit this version's GPTConfig"):
         load_model(copy)
     del meta["client_state"]["model_config"]

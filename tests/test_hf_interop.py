@@ -32,8 +32,10 @@ from tests import inference_fixtures
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import VOCAB, tiny_config, tiny_flags, write_corpus
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face interop tests need transformers "
-                                                          "(pip install transformers, or the package's test extra)")
+transformers = pytest.importorskip(
+    "transformers",
+    reason="the Hugging Face interop tests need transformers (pip install transformers, or the package's test extra)",
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SINGLE = single_process_grid(torch.device("cpu"))
@@ -47,52 +49,134 @@ MOE = dict(MODERN, moe_ffn_hidden_size=16, disable_moe_token_dropping=False)
 OURS = {
     "gpt2": (dict(untie_embeddings_and_output_weights=True), "gpt2", "bpe"),
     "gpt_neox": (dict(position_embedding_type="rope", rotary_percent=0.25, rotary_base=5000.0), "gpt_neox", "null"),
-    "llama": (dict(MODERN, untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
-                   kv_channels=12, rotary_base=5000.0, norm_epsilon=1e-6), "llama", "sentencepiece"),
+    "llama": (
+        dict(
+            MODERN,
+            untie_embeddings_and_output_weights=True,
+            group_query_attention=True,
+            num_query_groups=2,
+            kv_channels=12,
+            rotary_base=5000.0,
+            norm_epsilon=1e-6,
+        ),
+        "llama",
+        "sentencepiece",
+    ),
     # biases, tied, and the grouped qkv layout with one head per group
-    "llama_biases": (dict(MODERN, disable_bias_linear=False, group_query_attention=True, num_query_groups=4),
-                     "llama", "null"),
+    "llama_biases": (
+        dict(MODERN, disable_bias_linear=False, group_query_attention=True, num_query_groups=4),
+        "llama",
+        "null",
+    ),
     "qwen3": (dict(MODERN, group_query_attention=True, num_query_groups=2, qk_layernorm=True), "qwen3", "null"),
     # DeepSpeed's top-2 gating: the gates renormalised, as Mixtral's
     "mixtral": (dict(MOE, num_experts=4, expert_interval=1, topk=2), "mixtral", "null"),
     # a dense first layer; Megatron-Core's pre-softmax gates, not renormalised
-    "qwen3_moe": (dict(MOE, qk_layernorm=True, num_experts=4, expert_interval=2, topk=2, moe_router_pre_softmax=True),
-                  "qwen3_moe", "null"),
+    "qwen3_moe": (
+        dict(MOE, qk_layernorm=True, num_experts=4, expert_interval=2, topk=2, moe_router_pre_softmax=True),
+        "qwen3_moe",
+        "null",
+    ),
     # DeepSpeed's top-1 gate (the probability as it is) and sigmoid-gated shared experts
-    "qwen2_moe": (dict(MOE, num_experts=4, expert_interval=2, topk=1, moe_shared_expert_intermediate_size=24,
-                       moe_shared_expert_gate=True), "qwen2_moe", "null"),
+    "qwen2_moe": (
+        dict(
+            MOE,
+            num_experts=4,
+            expert_interval=2,
+            topk=1,
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_gate=True,
+        ),
+        "qwen2_moe",
+        "null",
+    ),
     # sigmoid scores, expert bias, scaled gates, 2 of 4 expert groups; shared experts; partial rope, qk norms
-    "glm4_moe": (dict(MOE, num_experts=[1, 8], expert_interval=1, topk=4, moe_router_score_function="sigmoid",
-                      moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4,
-                      moe_router_group_topk=2, moe_shared_expert_intermediate_size=16, rotary_percent=0.5,
-                      qk_layernorm=True, group_query_attention=True, num_query_groups=2, kv_channels=12), "glm4_moe", "null"),
+    "glm4_moe": (
+        dict(
+            MOE,
+            num_experts=[1, 8],
+            expert_interval=1,
+            topk=4,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=2.5,
+            moe_router_num_groups=4,
+            moe_router_group_topk=2,
+            moe_shared_expert_intermediate_size=16,
+            rotary_percent=0.5,
+            qk_layernorm=True,
+            group_query_attention=True,
+            num_query_groups=2,
+            kv_channels=12,
+        ),
+        "glm4_moe",
+        "null",
+    ),
 }
 
 H = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
 # a random Hugging Face model of each class -> its config
 THEIRS = {
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40,
-                                            activation_function="gelu"),
-    "gpt_neox": lambda: transformers.GPTNeoXConfig(**H, intermediate_size=48, use_parallel_residual=False, rotary_pct=0.5,
-                                                   rotary_emb_base=500.0, tie_word_embeddings=True),
-    "llama": lambda: transformers.LlamaConfig(**H, intermediate_size=48, num_key_value_heads=2, head_dim=12,
-                                              rope_theta=5000.0, rms_norm_eps=1e-6),
-    "llama_biases": lambda: transformers.LlamaConfig(**H, intermediate_size=48, attention_bias=True, mlp_bias=True,
-                                                     tie_word_embeddings=True),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40, activation_function="gelu"
+    ),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        **H,
+        intermediate_size=48,
+        use_parallel_residual=False,
+        rotary_pct=0.5,
+        rotary_emb_base=500.0,
+        tie_word_embeddings=True,
+    ),
+    "llama": lambda: transformers.LlamaConfig(
+        **H, intermediate_size=48, num_key_value_heads=2, head_dim=12, rope_theta=5000.0, rms_norm_eps=1e-6
+    ),
+    "llama_biases": lambda: transformers.LlamaConfig(
+        **H, intermediate_size=48, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
+    ),
     "qwen3": lambda: transformers.Qwen3Config(**H, intermediate_size=48, num_key_value_heads=2, head_dim=8),
-    "mixtral": lambda: transformers.MixtralConfig(**H, intermediate_size=16, num_key_value_heads=2, num_local_experts=4,
-                                                  num_experts_per_tok=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**H, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
-                                                     num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
-                                                     num_key_value_heads=2, head_dim=8),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**H, intermediate_size=48, moe_intermediate_size=16,
-                                                     shared_expert_intermediate_size=24, num_experts=4,
-                                                     num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=False,
-                                                     qkv_bias=False, num_key_value_heads=2),
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(**H, intermediate_size=48, num_key_value_heads=2, head_dim=12,
-                                                   moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=4,
-                                                   n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
-                                                   routed_scaling_factor=2.5, use_qk_norm=True, partial_rotary_factor=0.5),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **H, intermediate_size=16, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **H,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **H,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+        norm_topk_prob=False,
+        qkv_bias=False,
+        num_key_value_heads=2,
+    ),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **H,
+        intermediate_size=48,
+        num_key_value_heads=2,
+        head_dim=12,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+    ),
 }
 
 
@@ -105,18 +189,28 @@ def corpus(tmp_path_factory) -> str:
 def tokenizer_files(tmp_path_factory) -> dict[str, dict[str, str]]:
     """Our tokenizer flags of each kind: a SentencePiece model trained here, a small GPT-2 BPE."""
     folder = tmp_path_factory.mktemp("tokenizers")
-    (folder / "corpus.txt").write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog expert layer data "
-                                                 f"model token train" for i in range(300)) + "\n")
-    tokenizer_training.main(["--input", str(folder / "corpus.txt"), "--vocab-size", "300",
-                             "--model-prefix", str(folder / "sp")])
+    (folder / "corpus.txt").write_text(
+        "\n".join(
+            f"the quick brown fox {i} jumps over the lazy dog expert layer data model token train" for i in range(300)
+        )
+        + "\n"
+    )
+    tokenizer_training.main(
+        ["--input", str(folder / "corpus.txt"), "--vocab-size", "300", "--model-prefix", str(folder / "sp")]
+    )
     merges = ["t h", "Ġ th", "Ġth e", "Ã ©", "c a", "ca f", "caf Ã©"]
     pieces = list(_bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
     (folder / "vocab.json").write_text(json.dumps({piece: i for i, piece in enumerate(pieces)}))
     (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    return {"sentencepiece": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(folder / "sp.model")),
-            "bpe": dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(folder / "vocab.json"),
-                        merge_file=str(folder / "merges.txt")),
-            "null": {}}
+    return {
+        "sentencepiece": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(folder / "sp.model")),
+        "bpe": dict(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=str(folder / "vocab.json"),
+            merge_file=str(folder / "merges.txt"),
+        ),
+        "null": {},
+    }
 
 
 def texts_for(tokenizer: str) -> tuple[str, ...]:
@@ -160,21 +254,41 @@ def assert_bit_identical(first: Path, second: Path) -> None:
 def same_config(first: Path, second: Path) -> None:
     """The configs as transformers reads them agree but for the tokenizer's ids and what says where
     the file came from (and multi-token-prediction layers, which our models do not have)."""
+
     def read(folder: Path) -> dict:
         config = transformers.AutoConfig.from_pretrained(str(folder)).to_dict()
-        for key in ("_name_or_path", "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id",
-                    "num_nextn_predict_layers"):
+        for key in (
+            "_name_or_path",
+            "transformers_version",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "num_nextn_predict_layers",
+        ):
             config.pop(key, None)
-        config["head_dim"] = config.get("head_dim") or config.get("hidden_size", 0) // config.get("num_attention_heads", 1)
+        config["head_dim"] = config.get("head_dim") or config.get("hidden_size", 0) // config.get(
+            "num_attention_heads", 1
+        )
         return config
+
     assert read(first) == read(second)
 
 
 def train_checkpoint(corpus: str, save: Path, flags: dict, train_iters: int = 1, **more) -> Path:
     """A checkpoint saved by training: every weight (norms, biases, the expert bias too) moved off
     its init first, so that a weight put in the wrong place shows in the logits."""
-    config = tiny_config(corpus, train_iters=train_iters, lr_warmup_iters=0, save=str(save), init_method_std=0.2,
-                         hidden_dropout=0.0, attention_dropout=0.0, eval_interval=100, **flags, **more)
+    config = tiny_config(
+        corpus,
+        train_iters=train_iters,
+        lr_warmup_iters=0,
+        save=str(save),
+        init_method_std=0.2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        eval_interval=100,
+        **flags,
+        **more,
+    )
     trainer = Trainer(config, SINGLE)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -233,8 +347,10 @@ def test_an_export_imports_back_bit_for_bit_with_its_tokenizer(name, exported, t
     torch.testing.assert_close(our_logits(tmp_path / "ckpt", ids), our_logits(checkpoint, ids), rtol=0, atol=0)
     loaded = load_model(tmp_path / "ckpt")
     assert loaded.tokenizer.vocab_size == load_model(checkpoint).tokenizer.vocab_size
-    assert all(loaded.tokenizer.tokenize(text) == load_model(checkpoint).tokenizer.tokenize(text)
-               for text in texts_for(OURS[name][2]))
+    assert all(
+        loaded.tokenizer.tokenize(text) == load_model(checkpoint).tokenizer.tokenize(text)
+        for text in texts_for(OURS[name][2])
+    )
     assert "--make-vocab-size-divisible-by" in imported.flags  # the padded rows stay as they were
     export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "again"), **quiet)
     assert_bit_identical(folder, tmp_path / "again")
@@ -284,16 +400,31 @@ def test_ckpt_step_picks_the_iteration(corpus, tmp_path):
     ids = token_ids()
     for step in (1, 2):
         main(["--to", "hf", "--load", str(checkpoint), "--ckpt-step", str(step), "--save", str(tmp_path / f"hf{step}")])
-        assert relative_error(our_logits(checkpoint, ids, iteration=step), hf_logits(tmp_path / f"hf{step}", ids)) < 1e-4
-    assert not torch.equal(hf_tensors(tmp_path / "hf1")["gpt_neox.embed_in.weight"],
-                           hf_tensors(tmp_path / "hf2")["gpt_neox.embed_in.weight"])
+        assert (
+            relative_error(our_logits(checkpoint, ids, iteration=step), hf_logits(tmp_path / f"hf{step}", ids)) < 1e-4
+        )
+    assert not torch.equal(
+        hf_tensors(tmp_path / "hf1")["gpt_neox.embed_in.weight"],
+        hf_tensors(tmp_path / "hf2")["gpt_neox.embed_in.weight"],
+    )
 
 
 def _trained_from_import(corpus: str, checkpoint: str, flags: list[str], ep_size: int, extra: list[str]) -> dict:
     """Continue pretraining from an imported checkpoint: the model's logits as loaded, and the run's loss."""
     grid = build_parallel_grid(torch.device("cpu"), ep_size=ep_size)
-    argv = tiny_flags(corpus, train_iters=1, lr_warmup_iters=0, load=checkpoint, moe_expert_parallel_size=ep_size,
-                      micro_batch_size=1, global_batch_size=2) + flags + extra
+    argv = (
+        tiny_flags(
+            corpus,
+            train_iters=1,
+            lr_warmup_iters=0,
+            load=checkpoint,
+            moe_expert_parallel_size=ep_size,
+            micro_batch_size=1,
+            global_batch_size=2,
+        )
+        + flags
+        + extra
+    )
     trainer = Trainer(with_data_parallel_size(parse_args(argv), grid.dp_size), grid)
     start = trainer.iteration
     with torch.no_grad():
@@ -320,7 +451,7 @@ def test_an_imported_checkpoint_trains_under_expert_parallelism(corpus, tmp_path
         assert relative_error(rank["logits"], theirs) < 1e-4 and torch.isfinite(rank["losses"]).all()
 
 
-STREAMING = r'''
+STREAMING = r"""
 import resource, sys
 from pathlib import Path
 from megatron.cli.convert_checkpoint import main
@@ -341,23 +472,43 @@ try:  # the control: the model's weights held at once do not fit under the same 
     print("CONTROL FITS")
 except MemoryError:
     print("CONTROL OUT OF MEMORY")
-'''
+"""
 
 
 def write_llama_shards(folder: Path, hidden: int, layers: int, ffn: int, vocab: int) -> int:
     """A Llama folder written one shard (layer) at a time, so that this process never holds it all."""
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu"}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "intermediate_size": ffn,
+                "num_hidden_layers": layers,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 8,
+                "max_position_embeddings": 64,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+                "hidden_act": "silu",
+            }
+        )
+    )
     shards = [{"model.embed_tokens.weight": (vocab, hidden)}]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shards.append({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       **{p + f"self_attn.{x}_proj.weight": (hidden, hidden) for x in "qkvo"},
-                       p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
-                       p + "mlp.down_proj.weight": (hidden, ffn)})
+        shards.append(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                **{p + f"self_attn.{x}_proj.weight": (hidden, hidden) for x in "qkvo"},
+                p + "mlp.gate_proj.weight": (ffn, hidden),
+                p + "mlp.up_proj.weight": (ffn, hidden),
+                p + "mlp.down_proj.weight": (hidden, ffn),
+            }
+        )
     shards.append({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
     weight_map, total, generator = {}, 0, torch.Generator().manual_seed(0)
     for number, shard in enumerate(shards):
@@ -366,8 +517,9 @@ def write_llama_shards(folder: Path, hidden: int, layers: int, ffn: int, vocab: 
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.nbytes for t in tensors.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -379,8 +531,13 @@ def test_a_model_larger_than_the_memory_limit_converts_both_ways_under_it(tmp_pa
     size = write_llama_shards(tmp_path / "big_hf", hidden=1024, layers=4, ffn=4096, vocab=8192)
     write_llama_shards(tmp_path / "tiny_hf", hidden=64, layers=1, ffn=64, vocab=128)
     assert size > 2 * margin
-    run = subprocess.run([sys.executable, "-c", STREAMING, str(tmp_path), str(margin)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", STREAMING, str(tmp_path), str(margin)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "CONTROL OUT OF MEMORY" in run.stdout
     assert len(list((tmp_path / "big_ckpt" / "iter_0000000").glob("model_rank00000*.safetensors"))) > 1
@@ -390,29 +547,51 @@ def test_a_model_larger_than_the_memory_limit_converts_both_ways_under_it(tmp_pa
 
 # ---- what has no equivalent ---------------------------------------------------------------------
 
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=32,
-            ffn_hidden_size=48)
+TINY = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=32, ffn_hidden_size=48
+)
 SWIGLU = dict(TINY, swiglu=True, normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope")
 SWIGLU_MOE = dict(SWIGLU, num_experts=(4,), expert_interval=1, moe_ffn_hidden_size=16)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(TINY, num_experts=(4,), mlp_type="residual", moe=MoEConfig(use_residual=True)), "PR-MoE's residual MLP"),
-    (dict(SWIGLU, num_layers=4, num_experts=(4, 8)), r"different expert counts \[1, 4, 1, 8\] \(a pyramid\)"),
-    (dict(TINY, num_experts=(4,)), "the closest, Qwen3-MoE, has no equivalent of its LayerNorm"),  # classic MoE
-    (dict(SWIGLU, normalization="LayerNorm"), "the closest, Llama, has no equivalent of its LayerNorm"),
-    (dict(SWIGLU, rotary_percent=0.5), "Llama, has no equivalent of its rotary embeddings over 0.5 of each head"),
-    (dict(TINY, position_embedding_type="none"), "GPT-2, has no equivalent of its lack of position embeddings"),
-    (dict(TINY, position_embedding_type="rope", qk_layernorm=True), "GPT-NeoX, has no equivalent of its query/key norms"),
-    (dict(TINY, num_query_groups=2), "GPT-2, has no equivalent of its grouped-query attention"),
-    (dict(SWIGLU_MOE, moe=MoEConfig(topk=2, router_pre_softmax=True)), "top-2 gates kept as scored"),
-    (dict(SWIGLU_MOE, moe_shared_expert_intermediate_size=16), "Qwen2-MoE, has no equivalent of its ungated shared"),
-    (dict(SWIGLU_MOE, num_experts=(1, 4, 1, 4), num_layers=4, moe=MoEConfig(topk=2, router_score_function="sigmoid")),
-     "dense layers after the first MoE layer"),
-    (dict(SWIGLU_MOE, num_experts=(8,), moe=MoEConfig(topk=4, router_score_function="sigmoid", router_num_groups=2,
-                                                      router_group_topk=1)),
-     "choosing 1 of 2 groups for 4 experts \\(groups are scored by their best 2 experts there but by their best 4"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(TINY, num_experts=(4,), mlp_type="residual", moe=MoEConfig(use_residual=True)), "PR-MoE's residual MLP"),
+        (dict(SWIGLU, num_layers=4, num_experts=(4, 8)), r"different expert counts \[1, 4, 1, 8\] \(a pyramid\)"),
+        (dict(TINY, num_experts=(4,)), "the closest, Qwen3-MoE, has no equivalent of its LayerNorm"),  # classic MoE
+        (dict(SWIGLU, normalization="LayerNorm"), "the closest, Llama, has no equivalent of its LayerNorm"),
+        (dict(SWIGLU, rotary_percent=0.5), "Llama, has no equivalent of its rotary embeddings over 0.5 of each head"),
+        (dict(TINY, position_embedding_type="none"), "GPT-2, has no equivalent of its lack of position embeddings"),
+        (
+            dict(TINY, position_embedding_type="rope", qk_layernorm=True),
+            "GPT-NeoX, has no equivalent of its query/key norms",
+        ),
+        (dict(TINY, num_query_groups=2), "GPT-2, has no equivalent of its grouped-query attention"),
+        (dict(SWIGLU_MOE, moe=MoEConfig(topk=2, router_pre_softmax=True)), "top-2 gates kept as scored"),
+        (
+            dict(SWIGLU_MOE, moe_shared_expert_intermediate_size=16),
+            "Qwen2-MoE, has no equivalent of its ungated shared",
+        ),
+        (
+            dict(
+                SWIGLU_MOE,
+                num_experts=(1, 4, 1, 4),
+                num_layers=4,
+                moe=MoEConfig(topk=2, router_score_function="sigmoid"),
+            ),
+            "dense layers after the first MoE layer",
+        ),
+        (
+            dict(
+                SWIGLU_MOE,
+                num_experts=(8,),
+                moe=MoEConfig(topk=4, router_score_function="sigmoid", router_num_groups=2, router_group_topk=1),
+            ),
+            "choosing 1 of 2 groups for 4 experts \\(groups are scored by their best 2 experts there but by their best 4",
+        ),
+    ],
+)
 def test_a_model_no_class_computes_is_refused_naming_what(options, message):
     with pytest.raises(CheckpointError, match=message):
         choose_spec(GPTConfig(**options), "CKPT")
@@ -425,23 +604,32 @@ def test_a_refused_export_writes_nothing_and_says_why(corpus, tmp_path, capsys):
     assert stop.value.code == 1 and not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
     error = capsys.readouterr().err
     assert error.startswith("error: ") and error.count("\n") == 1
-    assert "no Hugging Face class computes this model exactly, and the closest, Mixtral, has no equivalent of " \
-           "its LayerNorm" in error
+    assert (
+        "no Hugging Face class computes this model exactly, and the closest, Mixtral, has no equivalent of "
+        "its LayerNorm" in error
+    )
 
 
-@pytest.mark.parametrize("config, message", [
-    (lambda: transformers.GPT2Config(), "activation 'gelu_new' \\(ours is the exact, erf GELU\\)"),
-    (lambda: transformers.GPTNeoXConfig(), "parallel residual"),
-    (lambda: transformers.Qwen2MoeConfig(), "attention biases without MLP biases"),
-    (lambda: transformers.LlamaConfig(attention_bias=True), "biases in the attention or the MLP alone"),
-    (lambda: transformers.MixtralConfig(num_experts_per_tok=1), "top-1 routing with the gate renormalised to 1"),
-    (lambda: transformers.MixtralConfig(sliding_window=4096), "sliding-window attention"),
-    (lambda: transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-     "rope scaling 'linear'"),
-    (lambda: transformers.Glm4MoeConfig(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1),
-     "groups are scored by their best 2 experts there but by their best 4 here"),
-    (lambda: transformers.BertConfig(), "holds a 'bert' model, which this toolkit does not convert"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (lambda: transformers.GPT2Config(), "activation 'gelu_new' \\(ours is the exact, erf GELU\\)"),
+        (lambda: transformers.GPTNeoXConfig(), "parallel residual"),
+        (lambda: transformers.Qwen2MoeConfig(), "attention biases without MLP biases"),
+        (lambda: transformers.LlamaConfig(attention_bias=True), "biases in the attention or the MLP alone"),
+        (lambda: transformers.MixtralConfig(num_experts_per_tok=1), "top-1 routing with the gate renormalised to 1"),
+        (lambda: transformers.MixtralConfig(sliding_window=4096), "sliding-window attention"),
+        (
+            lambda: transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            "rope scaling 'linear'",
+        ),
+        (
+            lambda: transformers.Glm4MoeConfig(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1),
+            "groups are scored by their best 2 experts there but by their best 4 here",
+        ),
+        (lambda: transformers.BertConfig(), "holds a 'bert' model, which this toolkit does not convert"),
+    ],
+)
 def test_a_hf_model_ours_cannot_compute_is_refused(config, message):
     with pytest.raises(CheckpointError, match=message):
         flags_from_hf(config(), "HFDIR")
@@ -471,11 +659,27 @@ def test_a_bad_flag_is_one_sentence(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--from", "hf", "--load", "x", "--save", "y", "--ckpt-step", "3"])
     assert capsys.readouterr().err == "error: --ckpt-step applies to --to hf; drop it when importing with --from hf\n"
-    script = subprocess.run([sys.executable, str(REPO / "tools/checkpoint/convert.py"), "--to", "hf", "--load", "x",
-                             "--save", "y", "--max-shard-size", "5 gigs"], cwd=tmp_path, capture_output=True, text=True)
+    script = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools/checkpoint/convert.py"),
+            "--to",
+            "hf",
+            "--load",
+            "x",
+            "--save",
+            "y",
+            "--max-shard-size",
+            "5 gigs",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert script.returncode == 1 and script.stdout == ""
-    assert script.stderr == ("error: --max-shard-size '5 gigs' is not a size; write it as Hugging Face does, e.g. 5GB, "
-                             "500MB or 2GiB\n")
+    assert script.stderr == (
+        "error: --max-shard-size '5 gigs' is not a size; write it as Hugging Face does, e.g. 5GB, 500MB or 2GiB\n"
+    )
 
 
 def test_the_vocabulary_divisor_keeps_the_rows_exactly():

@@ -19,9 +19,9 @@ import pytest
 import sentencepiece
 
 from megatron.checkpoint.hf.from_hf import import_from_hf
+from megatron.checkpoint.hf.to_hf import check_tokenizer
 from megatron.checkpoint.hf.tokenizer_check import PROBE_TEXTS
 from megatron.checkpoint.hf.tokenizer_files import export_tokenizer
-from megatron.checkpoint.hf.to_hf import check_tokenizer
 from megatron.data import preprocess
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import TokenizerSpec
@@ -30,15 +30,26 @@ from megatron.errors import CheckpointError
 from tests import inference_fixtures
 from tests.test_hf_interop import MODERN, hf_logits, our_logits, relative_error, token_ids, train_checkpoint
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face interop tests need transformers "
-                                                          "(pip install transformers, or the package's test extra)")
+transformers = pytest.importorskip(
+    "transformers",
+    reason="the Hugging Face interop tests need transformers (pip install transformers, or the package's test extra)",
+)
 
 REPO = Path(__file__).resolve().parents[1]
 one_thread = inference_fixtures.one_thread  # autouse: this module's tiny models run on one thread
 VOCAB_SIZE = 1000
 # the issue's Mixtral-shaped model
-MIXTRAL = dict(MODERN, untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
-               num_experts=4, expert_interval=1, moe_ffn_hidden_size=32, topk=2, disable_moe_token_dropping=True)
+MIXTRAL = dict(
+    MODERN,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    num_experts=4,
+    expert_interval=1,
+    moe_ffn_hidden_size=32,
+    topk=2,
+    disable_moe_token_dropping=True,
+)
 # code that quotes markup, at the end of a long document: text a tokenizer that reads "<s>" as its
 # special token splits differently
 MARKUP = "".join(f"line_{i} = {i}\n" for i in range(200)) + 'STRIKE = "<s>struck</s>"  # and <unk> stays text\n'
@@ -53,23 +64,58 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     """The corpus, tokenizer, dataset, checkpoint and export, once; name -> path."""
     folder = tmp_path_factory.mktemp("spm")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = [path.read_text(encoding="utf-8") for name in ("json", "email", "http", "logging")
-               for path in sorted((stdlib / name).glob("*.py"))]
+    sources = [
+        path.read_text(encoding="utf-8")
+        for name in ("json", "email", "http", "logging")
+        for path in sorted((stdlib / name).glob("*.py"))
+    ]
     documents = [text for text in sources if text.strip() and not any(map(outside_the_corpus, text))] + [MARKUP]
     (folder / "corpus.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
     (folder / "corpus.txt").write_text("\n".join(documents))
-    sentencepiece.SentencePieceTrainer.train(input=str(folder / "corpus.txt"), model_prefix=str(folder / "sp"),
-                                             vocab_size=VOCAB_SIZE, model_type="bpe", character_coverage=1.0,
-                                             minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"),
+        model_prefix=str(folder / "sp"),
+        vocab_size=VOCAB_SIZE,
+        model_type="bpe",
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     spec = TokenizerSpec("SentencePieceTokenizer", tokenizer_model=str(folder / "sp.model"))
-    [prefix] = preprocess.preprocess(str(folder / "corpus.jsonl"), str(folder / "code"), spec, ["text"], append_eod=True)
-    checkpoint = train_checkpoint(prefix, folder / "ckpt", MIXTRAL, tokenizer_type="SentencePieceTokenizer",
-                                  tokenizer_model=str(folder / "sp.model"))
-    export = subprocess.run([sys.executable, str(REPO / "tools/checkpoint/convert.py"), "--to", "hf", "--load",
-                             str(checkpoint), "--save", str(folder / "hf")], cwd=REPO, capture_output=True, text=True)
+    [prefix] = preprocess.preprocess(
+        str(folder / "corpus.jsonl"), str(folder / "code"), spec, ["text"], append_eod=True
+    )
+    checkpoint = train_checkpoint(
+        prefix,
+        folder / "ckpt",
+        MIXTRAL,
+        tokenizer_type="SentencePieceTokenizer",
+        tokenizer_model=str(folder / "sp.model"),
+    )
+    export = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools/checkpoint/convert.py"),
+            "--to",
+            "hf",
+            "--load",
+            str(checkpoint),
+            "--save",
+            str(folder / "hf"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     (folder / "export.log").write_text(f"rc {export.returncode}\n{export.stdout}{export.stderr}")
-    return {"folder": folder, "corpus": folder / "corpus.jsonl", "model": folder / "sp.model", "prefix": Path(prefix),
-            "checkpoint": checkpoint, "hf": folder / "hf", "log": folder / "export.log"}
+    return {
+        "folder": folder,
+        "corpus": folder / "corpus.jsonl",
+        "model": folder / "sp.model",
+        "prefix": Path(prefix),
+        "checkpoint": checkpoint,
+        "hf": folder / "hf",
+        "log": folder / "export.log",
+    }
 
 
 def corpus_texts(trained: dict[str, Path]) -> list[str]:
@@ -94,8 +140,10 @@ def without_unknown_rendering(content: dict) -> None:
 def test_a_vocabulary_without_cjk_or_emoji_exports_with_our_ids_text_and_logits(trained):
     log = trained["log"].read_text()
     assert log.startswith("rc 0\n"), log
-    assert " > the exported tokenizer gives our ids and text on 4 probe texts and 32 documents of the training " \
-           "data\n" in log
+    assert (
+        " > the exported tokenizer gives our ids and text on 4 probe texts and 32 documents of the training "
+        "data\n" in log
+    )
     ours = SentencePieceTokenizer(str(trained["model"]))
     theirs = transformers.AutoTokenizer.from_pretrained(str(trained["hf"]))
     texts = corpus_texts(trained)
@@ -127,38 +175,57 @@ def test_any_ids_decode_as_sentencepiece_decodes_them_an_unknown_piece_first_too
 def test_a_really_different_tokenizer_is_still_refused(trained, tmp_path):
     other_text = tmp_path / "other.txt"
     other_text.write_text("\n".join(f"the {i} brown foxes jump over {i + 1} lazy dogs; café naïve" for i in range(500)))
-    sentencepiece.SentencePieceTrainer.train(input=str(other_text), model_prefix=str(tmp_path / "other"),
-                                             vocab_size=200, model_type="bpe", minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(other_text), model_prefix=str(tmp_path / "other"), vocab_size=200, model_type="bpe", minloglevel=2
+    )
     other = SentencePieceTokenizer(str(tmp_path / "other.model"))
     export_tokenizer("SentencePieceTokenizer", {"tokenizer_model": str(tmp_path / "other.model")}, other, tmp_path, 64)
     ours = SentencePieceTokenizer(str(trained["model"]))
-    with pytest.raises(CheckpointError, match=r"it splits probe text 1 \('The quick brown fox jumps over the lazy "
-                                              r"dog.'\) into ids \[\d+, .*\] where ours gives \["):
+    with pytest.raises(
+        CheckpointError,
+        match=r"it splits probe text 1 \('The quick brown fox jumps over the lazy "
+        r"dog.'\) into ids \[\d+, .*\] where ours gives \[",
+    ):
         check_tokenizer(ours, tmp_path, None, lambda line: None)
 
 
 def test_a_difference_in_the_training_data_alone_refuses_naming_the_document(trained):
     ours = SentencePieceTokenizer(str(trained["model"]))
     # transformers' default: "<s>" in text becomes the special token, where SentencePiece spells it out
-    folder = copy_with(trained, "special_tokens_read", "tokenizer_config.json",
-                       lambda content: content.update(split_special_tokens=False))
+    folder = copy_with(
+        trained,
+        "special_tokens_read",
+        "tokenizer_config.json",
+        lambda content: content.update(split_special_tokens=False),
+    )
     lines: list[str] = []
     check_tokenizer(ours, folder, None, lines.append)  # the probe texts hold no special token's text
-    assert lines == [" > the exported tokenizer gives our ids and text on 4 probe texts and 0 documents of the "
-                     "training data"]
+    assert lines == [
+        " > the exported tokenizer gives our ids and text on 4 probe texts and 0 documents of the training data"
+    ]
     documents = len(MMapIndexedDataset(str(trained["prefix"])))
-    with pytest.raises(CheckpointError, match=rf"it splits document {documents - 1} of {trained['prefix']} "
-                                              r"\('[^']*\"<s>[^']*'\) into ids \[(\d+, ){15}\d+\] where ours gives "
-                                              r"\[(\d+, ){15}\d+\]; nothing was written"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"it splits document {documents - 1} of {trained['prefix']} "
+        r"\('[^']*\"<s>[^']*'\) into ids \[(\d+, ){15}\d+\] where ours gives "
+        r"\[(\d+, ){15}\d+\]; nothing was written",
+    ):
         check_tokenizer(ours, folder, [str(trained["prefix"])], lines.append)  # the ids around the difference shown
 
 
 def test_a_decoding_difference_other_than_the_unknown_piece_refuses(trained):
     ours = SentencePieceTokenizer(str(trained["model"]))
-    folder = copy_with(trained, "no_strip", "tokenizer.json", lambda content: content["decoder"]["decoders"].remove(
-        {"type": "Strip", "content": " ", "start": 1, "stop": 0}))
-    with pytest.raises(CheckpointError, match=r"it decodes probe text 1 as ' The quick brown fox jumps over the lazy "
-                                              r"dog.' where ours gives 'The quick brown fox jumps over the lazy dog.'"):
+    folder = copy_with(
+        trained,
+        "no_strip",
+        "tokenizer.json",
+        lambda content: content["decoder"]["decoders"].remove({"type": "Strip", "content": " ", "start": 1, "stop": 0}),
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"it decodes probe text 1 as ' The quick brown fox jumps over the lazy "
+        r"dog.' where ours gives 'The quick brown fox jumps over the lazy dog.'",
+    ):
         check_tokenizer(ours, folder, [str(trained["prefix"])], lambda line: None)
 
 
@@ -167,22 +234,30 @@ def test_rendering_the_unknown_piece_otherwise_is_the_one_difference_allowed_and
     folder = copy_with(trained, "renders_unk", "tokenizer.json", without_unknown_rendering)
     lines: list[str] = []
     check_tokenizer(ours, folder, [str(trained["prefix"])], lines.append)
-    assert lines == [" > the exported tokenizer gives our ids and text on 4 probe texts and 32 documents of the "
-                     "training data, but for the unknown piece, which it renders as '<unk>' where ours gives ' ⁇ '"]
+    assert lines == [
+        " > the exported tokenizer gives our ids and text on 4 probe texts and 32 documents of the "
+        "training data, but for the unknown piece, which it renders as '<unk>' where ours gives ' ⁇ '"
+    ]
 
 
 def test_import_checks_a_sentencepiece_tokenizer_with_unknown_pieces_the_same_way(trained, tmp_path):
     folder = copy_with(trained, "import_renders_unk", "tokenizer.json", without_unknown_rendering)
     lines: list[str] = []
     import_from_hf(str(folder), str(tmp_path / "renders_unk"), log=lines.append)
-    assert lines[0] == (f" > note: {folder}'s Hugging Face tokenizer and ours from the same files give the same ids "
-                        "and text on the probe texts but for the unknown piece, which it renders as '<unk>' where ours "
-                        "gives ' ⁇ '")
+    assert lines[0] == (
+        f" > note: {folder}'s Hugging Face tokenizer and ours from the same files give the same ids "
+        "and text on the probe texts but for the unknown piece, which it renders as '<unk>' where ours "
+        "gives ' ⁇ '"
+    )
     lines.clear()
     import_from_hf(str(trained["hf"]), str(tmp_path / "ours"), log=lines.append)
     assert not any("note" in line for line in lines), lines
-    wrong = copy_with(trained, "import_no_strip", "tokenizer.json", lambda content: content["decoder"]["decoders"].pop(-2))
+    wrong = copy_with(
+        trained, "import_no_strip", "tokenizer.json", lambda content: content["decoder"]["decoders"].pop(-2)
+    )
     lines.clear()
     import_from_hf(str(wrong), str(tmp_path / "no_strip"), log=lines.append)
-    assert lines[0].startswith(f" > note: {wrong}'s Hugging Face tokenizer and ours from the same files differ: it "
-                               "decodes probe text 1 as ' The quick")
+    assert lines[0].startswith(
+        f" > note: {wrong}'s Hugging Face tokenizer and ours from the same files differ: it "
+        "decodes probe text 1 as ' The quick"
+    )

@@ -50,7 +50,7 @@ def test_every_dtype_code_round_trips(tmp_path, code):
     dtype = DTYPE_CODES[code]
     dataset = MMapIndexedDataset(write_dataset(tmp_path / "d", dtype=dtype))
     assert dataset.dtype == dtype
-    assert open(tmp_path / "d.idx", "rb").read()[17] == code
+    assert (tmp_path / "d.idx").read_bytes()[17] == code
     assert dataset[3].dtype == dtype and dataset[3].tolist() == [8, 8]
 
 
@@ -92,10 +92,9 @@ def test_vocab_too_large_for_dtype(tmp_path):
 
 
 def test_failed_build_leaves_no_files(tmp_path):
-    with pytest.raises(RuntimeError):
-        with MMapIndexedDatasetBuilder(str(tmp_path / "d.bin"), np.uint16) as builder:
-            builder.add_item([1, 2])
-            raise RuntimeError("tokenizer crashed")
+    with pytest.raises(RuntimeError), MMapIndexedDatasetBuilder(str(tmp_path / "d.bin"), np.uint16) as builder:
+        builder.add_item([1, 2])
+        raise RuntimeError("tokenizer crashed")
     assert os.listdir(tmp_path) == []
 
 

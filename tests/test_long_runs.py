@@ -40,6 +40,7 @@ def _nan_loss_at(iteration: int, rank: int | None = None):
         loss, router_loss = real(engine, batch)
         poisoned_here = engine.global_steps + 1 >= iteration and rank in (None, engine.parallel.rank)
         return (loss * float("nan") if poisoned_here else loss), router_loss
+
     return poisoned
 
 
@@ -47,11 +48,16 @@ def _nan_loss_at(iteration: int, rank: int | None = None):
 def test_a_nan_loss_in_fp32_or_bf16_stops_the_run_naming_iteration_and_rank(corpus, tmp_path, monkeypatch, precision):
     monkeypatch.setattr(training_module, "lm_loss", _nan_loss_at(3))
     save = tmp_path / "ckpt"
-    trainer = Trainer(tiny_config(corpus, train_iters=6, save=str(save), save_interval=1,
-                                  **({precision: True} if precision else {})), SINGLE)
-    with pytest.raises(TrainingStopped, match=r"iteration 3: the loss is not finite on rank 0 and the gradient norm is "
-                                              r"not finite on rank 0, so the run stopped without saving \(last "
-                                              r"checkpoint: iteration 2\)"):
+    trainer = Trainer(
+        tiny_config(corpus, train_iters=6, save=str(save), save_interval=1, **({precision: True} if precision else {})),
+        SINGLE,
+    )
+    with pytest.raises(
+        TrainingStopped,
+        match=r"iteration 3: the loss is not finite on rank 0 and the gradient norm is "
+        r"not finite on rank 0, so the run stopped without saving \(last "
+        r"checkpoint: iteration 2\)",
+    ):
         trainer.train()
     assert read_latest(str(save))[0] == 2
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "iter_0000002", LATEST_FILE]
@@ -63,9 +69,19 @@ def test_fp16_skips_an_overflowing_step_and_reports_it(corpus, tmp_path, monkeyp
     def one_bad_step(engine, batch):
         loss, router_loss = real(engine, batch)
         return (loss * float("inf") if engine.global_steps == 2 else loss), router_loss
+
     monkeypatch.setattr(training_module, "lm_loss", one_bad_step)
-    result = Trainer(tiny_config(corpus, train_iters=5, fp16=True, log_interval=5, initial_loss_scale=256,
-                                 tensorboard_dir=str(tmp_path / "tb")), SINGLE).train()
+    result = Trainer(
+        tiny_config(
+            corpus,
+            train_iters=5,
+            fp16=True,
+            log_interval=5,
+            initial_loss_scale=256,
+            tensorboard_dir=str(tmp_path / "tb"),
+        ),
+        SINGLE,
+    ).train()
     assert result.iteration == 5
     assert "number of skipped iterations:   1" in capsys.readouterr().out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -77,27 +93,36 @@ def test_fp16_skips_an_overflowing_step_and_reports_it(corpus, tmp_path, monkeyp
 
 def test_fp16_stops_after_too_many_skipped_steps_in_a_row(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(training_module, "lm_loss", _nan_loss_at(2))
-    trainer = Trainer(tiny_config(corpus, train_iters=10, fp16=True, initial_loss_scale=256,
-                                  max_consecutive_skipped_iterations=3), SINGLE)
+    trainer = Trainer(
+        tiny_config(corpus, train_iters=10, fp16=True, initial_loss_scale=256, max_consecutive_skipped_iterations=3),
+        SINGLE,
+    )
     with pytest.raises(TrainingStopped, match="iteration 4: the last 3 iterations all skipped their step"):
         trainer.train()
 
 
 def test_nan_weights_are_never_saved_and_latest_never_moves(corpus, tmp_path):
     save = tmp_path / "ckpt"
-    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(save), save_interval=2,
-                                  no_check_for_nan_in_loss_and_grad=True), SINGLE)
+    trainer = Trainer(
+        tiny_config(corpus, train_iters=4, save=str(save), save_interval=2, no_check_for_nan_in_loss_and_grad=True),
+        SINGLE,
+    )
     with torch.no_grad():  # a weight that is NaN from the start: every step is skipped and it stays NaN
         next(trainer.engine.module.parameters()).view(-1)[0] = float("nan")
-    with pytest.raises(CheckpointError, match=r"holds a NaN or an infinity on rank 0, so .*iter_0000002 was not written "
-                                              "and the latest checkpoint is unchanged"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds a NaN or an infinity on rank 0, so .*iter_0000002 was not written "
+        "and the latest checkpoint is unchanged",
+    ):
         trainer.train()
     assert not save.exists() or sorted(p.name for p in save.iterdir()) == []
 
 
 def _nan_on_rank_one(corpus: str) -> dict[str, torch.Tensor]:
     training_module.lm_loss = _nan_loss_at(2, rank=1)
-    trainer = Trainer(tiny_config(corpus, dp_size=2, train_iters=4, global_batch_size=4), build_parallel_grid(torch.device("cpu")))
+    trainer = Trainer(
+        tiny_config(corpus, dp_size=2, train_iters=4, global_batch_size=4), build_parallel_grid(torch.device("cpu"))
+    )
     try:
         trainer.train()
     except TrainingStopped as stopped:
@@ -151,10 +176,18 @@ def _launch(flags: list[str], world: int, script: str | None = None) -> list[sub
     for rank in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        processes.append(subprocess.Popen(command + flags, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        processes.append(
+            subprocess.Popen(
+                command + flags, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     return processes
 
 
@@ -170,8 +203,15 @@ def _wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_during_training_saves_and_exits_zero_on_every_rank(corpus, tmp_path, world):
     save = tmp_path / "ckpt"
-    flags = tiny_flags(corpus, train_iters=100000, log_interval=1, eval_interval=100000, save=str(save),
-                       exit_signal_handler=True, global_batch_size=4)
+    flags = tiny_flags(
+        corpus,
+        train_iters=100000,
+        log_interval=1,
+        eval_interval=100000,
+        save=str(save),
+        exit_signal_handler=True,
+        global_batch_size=4,
+    )
     processes = _launch(flags, world)
     seen = _wait_for_line(processes[0], "iteration        3/")
     processes[-1].send_signal(signal.SIGTERM)  # one rank only: all must agree
@@ -186,8 +226,9 @@ def test_sigterm_during_training_saves_and_exits_zero_on_every_rank(corpus, tmp_
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_during_a_save_finishes_it_then_exits_zero(corpus, tmp_path, world):
     save = tmp_path / "ckpt"
-    flags = tiny_flags(corpus, train_iters=50, save=str(save), save_interval=2, exit_signal_handler=True,
-                       global_batch_size=4)
+    flags = tiny_flags(
+        corpus, train_iters=50, save=str(save), save_interval=2, exit_signal_handler=True, global_batch_size=4
+    )
     processes = _launch(flags, world, SIGTERM_DURING_SAVE)
     outputs = [p.communicate(timeout=180)[0] for p in processes]
     assert [p.returncode for p in processes] == [0] * world, outputs
@@ -199,10 +240,12 @@ def test_sigterm_during_a_save_finishes_it_then_exits_zero(corpus, tmp_path, wor
 def test_sigterm_without_the_handler_exits_at_once_and_removes_the_swap_folder(corpus, tmp_path):
     nvme = tmp_path / "nvme"
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 1, "offload_optimizer": {
-        "device": "nvme", "nvme_path": str(nvme)}}}))
-    flags = tiny_flags(corpus, train_iters=100000, log_interval=1, eval_interval=100000, deepspeed=True,
-                       deepspeed_config=str(config))
+    config.write_text(
+        json.dumps({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}}})
+    )
+    flags = tiny_flags(
+        corpus, train_iters=100000, log_interval=1, eval_interval=100000, deepspeed=True, deepspeed_config=str(config)
+    )
     (process,) = _launch(flags, 1)
     seen = _wait_for_line(process, "iteration        2/")
     assert any(nvme.iterdir()), "the run swaps through a folder under nvme_path"

@@ -1,6 +1,7 @@
 """tools/lr_range_test.py: the sweep's stopping rule and suggestion on made-up curves, the plot's
 labels, the real tool on a tiny MoE GPT from pretrain_gpt.py's flags, the --toy demo, and bad flags."""
 
+import itertools
 import json
 import math
 import subprocess
@@ -19,8 +20,20 @@ from tests.training_fixtures import tiny_flags, write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 WIDTH, HEIGHT = 800, 500
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--lr", "1e-3"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+]
 
 
 def replay(losses: list[float]) -> Any:
@@ -30,6 +43,7 @@ def replay(losses: list[float]) -> Any:
     def step() -> tuple[float, float] | None:
         i, loss = next(calls)
         return None if loss is None else (1e-4 * i, loss)
+
     return step
 
 
@@ -64,9 +78,9 @@ def read_png(path: Path) -> np.ndarray:
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     offset, idat = 8, b""
     while offset < len(data):
-        length = int.from_bytes(data[offset:offset + 4], "big")
-        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
-        assert zlib.crc32(kind + body) == int.from_bytes(data[offset + 8 + length:offset + 12 + length], "big")
+        length = int.from_bytes(data[offset : offset + 4], "big")
+        kind, body = data[offset + 4 : offset + 8], data[offset + 8 : offset + 8 + length]
+        assert zlib.crc32(kind + body) == int.from_bytes(data[offset + 8 + length : offset + 12 + length], "big")
         idat += body if kind == b"IDAT" else b""
         offset += 12 + length
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
@@ -78,11 +92,13 @@ def read_png(path: Path) -> np.ndarray:
 def label_areas(image: np.ndarray) -> dict[str, np.ndarray]:
     """The margins where the chart writes text: tick labels beside the axes, titles beyond them."""
     left, right, top, bottom = plot_box(image.shape[1], image.shape[0])
-    return {"x tick labels": image[bottom + 10:bottom + 30, left - 20:right],
-            "x title": image[bottom + 32:, left:right],
-            "y tick labels": image[top - 8:bottom + 8, 24:left - 8],
-            "y title": image[top:bottom, :20],
-            "legend": image[:top - 10, left:right]}
+    return {
+        "x tick labels": image[bottom + 10 : bottom + 30, left - 20 : right],
+        "x title": image[bottom + 32 :, left:right],
+        "y tick labels": image[top - 8 : bottom + 8, 24 : left - 8],
+        "y title": image[top:bottom, :20],
+        "legend": image[: top - 10, left:right],
+    }
 
 
 def inked(area: np.ndarray) -> bool:
@@ -92,33 +108,60 @@ def inked(area: np.ndarray) -> bool:
 def test_the_chart_labels_its_axes_and_the_check_sees_when_they_are_missing(tmp_path: Path) -> None:
     curve = [(10.0 ** (-5 + i / 10), 5 - math.sin(i / 10)) for i in range(40)]
     path = tmp_path / "chart.png"
-    path.write_bytes(png_bytes(line_chart([(curve, (0, 0, 255))], WIDTH, HEIGHT, log_x=True,
-                                          x_title="learning rate (log scale)", y_title="training loss",
-                                          marks=[Mark(1e-3, (255, 0, 0), "lowest loss")])))
+    path.write_bytes(
+        png_bytes(
+            line_chart(
+                [(curve, (0, 0, 255))],
+                WIDTH,
+                HEIGHT,
+                log_x=True,
+                x_title="learning rate (log scale)",
+                y_title="training loss",
+                marks=[Mark(1e-3, (255, 0, 0), "lowest loss")],
+            )
+        )
+    )
     assert [name for name, area in label_areas(read_png(path)).items() if not inked(area)] == []
     untitled = label_areas(line_chart([(curve, (0, 0, 255))], WIDTH, HEIGHT, log_x=True))
     assert [name for name, area in untitled.items() if not inked(area)] == ["x title", "y title", "legend"]
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / "lr_range_test.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "lr_range_test.py"), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_range_test_on_a_tiny_moe_gpt_from_pretrain_flags(tmp_path: Path) -> None:
     out = tmp_path / "plots" / "range.png"
-    flags = tiny_flags(write_corpus(tmp_path), num_experts=4, expert_interval=1, save=tmp_path / "ckpt",
-                       tensorboard_dir=tmp_path / "tb")
-    done = run_tool(*flags, "--lr_range_test_steps", "6", "--lr_range_test_min_lr", "1e-4",
-                    "--lr_range_test_step_rate", "20", "--lr_range_test_output", str(out))
+    flags = tiny_flags(
+        write_corpus(tmp_path),
+        num_experts=4,
+        expert_interval=1,
+        save=tmp_path / "ckpt",
+        tensorboard_dir=tmp_path / "tb",
+    )
+    done = run_tool(
+        *flags,
+        "--lr_range_test_steps",
+        "6",
+        "--lr_range_test_min_lr",
+        "1e-4",
+        "--lr_range_test_step_rate",
+        "20",
+        "--lr_range_test_output",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert any(line.startswith(" iteration        6/       6 |") and "learning rate:" in line and "lm loss:" in line
-               for line in lines)
+    assert any(
+        line.startswith(" iteration        6/       6 |") and "learning rate:" in line and "lm loss:" in line
+        for line in lines
+    )
     assert "learning-rate range" in lines[-2] or "never fell" in lines[-2]
     record = json.loads(out.with_suffix(".json").read_text())
     lrs, losses = [p["lr"] for p in record["points"]], [p["loss"] for p in record["points"]]
-    assert len(lrs) == 6 and lrs[0] == pytest.approx(1e-4) and all(a < b for a, b in zip(lrs, lrs[1:]))
+    assert len(lrs) == 6 and lrs[0] == pytest.approx(1e-4) and all(a < b for a, b in itertools.pairwise(lrs))
     assert all(math.isfinite(loss) for loss in losses) and record["lowest_loss_lr"] in lrs
     image = read_png(out)
     assert image.shape == (HEIGHT, WIDTH, 3)
@@ -129,21 +172,38 @@ def test_range_test_on_a_tiny_moe_gpt_from_pretrain_flags(tmp_path: Path) -> Non
 
 def test_toy_demo_needs_no_model_or_data_flags(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "toy.png"
-    result = main(["--toy", "--lr_range_test_steps", "40", "--lr_range_test_min_lr", "1e-4",
-                   "--lr_range_test_step_rate", "20", "--lr_range_test_output", str(out)])
+    result = main(
+        [
+            "--toy",
+            "--lr_range_test_steps",
+            "40",
+            "--lr_range_test_min_lr",
+            "1e-4",
+            "--lr_range_test_step_rate",
+            "20",
+            "--lr_range_test_output",
+            str(out),
+        ]
+    )
     assert len(result.points) == 40 and read_png(out).shape == (HEIGHT, WIDTH, 3)
     assert "suggested learning-rate range" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--toy", "--lr_range_test_step_rate", "0"], "--lr-range-test-step-rate: '0' is not a positive number"),
-    (["--toy", "--lr-range-test-min-lr", "-0.001"], "--lr-range-test-min-lr: '-0.001' is not a positive number"),
-    (["--toy", "--lr_range_test_steps", "0"], "--lr-range-test-steps: '0' is not a positive integer"),
-    (["--toy", "--num-layers", "2"], "--toy runs the built-in demo and takes only the --lr_range_test_* flags; drop"),
-    ([*MODEL, "--num-expertz", "4"], "unknown flag --num-expertz; did you mean --num-experts?"),
-    (MODEL, "no training data"),
-    ([*MODEL, "--data-path", "corpus", "--dry-run"], "--dry-run sizes a model for pretrain_gpt.py; drop it"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--toy", "--lr_range_test_step_rate", "0"], "--lr-range-test-step-rate: '0' is not a positive number"),
+        (["--toy", "--lr-range-test-min-lr", "-0.001"], "--lr-range-test-min-lr: '-0.001' is not a positive number"),
+        (["--toy", "--lr_range_test_steps", "0"], "--lr-range-test-steps: '0' is not a positive integer"),
+        (
+            ["--toy", "--num-layers", "2"],
+            "--toy runs the built-in demo and takes only the --lr_range_test_* flags; drop",
+        ),
+        ([*MODEL, "--num-expertz", "4"], "unknown flag --num-expertz; did you mean --num-experts?"),
+        (MODEL, "no training data"),
+        ([*MODEL, "--data-path", "corpus", "--dry-run"], "--dry-run sizes a model for pretrain_gpt.py; drop it"),
+    ],
+)
 def test_bad_flags_are_one_sentence_and_exit_1(flags: list[str], message: str, capsys: Any) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(flags)

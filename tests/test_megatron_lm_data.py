@@ -9,6 +9,7 @@ import functools
 import json
 import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,16 +83,27 @@ def test_empty_rows_are_written_byte_for_byte_as_megatron_lm_writes_them(tmp_pat
     spec = TokenizerSpec("NullTokenizer", vocab_size=20)
     [prefix] = preprocess.preprocess(source, str(tmp_path / "c"), spec, ["text"], append_eod=append_eod, workers=2)
     expected_bin, expected_idx = megatron_preprocessed(ROWS, eod=19, append_eod=append_eod)
-    assert open(f"{prefix}.bin", "rb").read() == expected_bin
-    assert open(f"{prefix}.idx", "rb").read() == expected_idx
+    assert Path(f"{prefix}.bin").read_bytes() == expected_bin
+    assert Path(f"{prefix}.idx").read_bytes() == expected_idx
     dataset = MMapIndexedDataset(prefix)  # and our reader takes documents without sequences
     assert dataset.doc_idx.tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 3]
 
 
 def test_the_extra_eod_convention_is_written_as_megatron_deepspeed_writes_it(tmp_path):
     source = write_jsonl(tmp_path / "corpus.jsonl", ROWS)
-    flags = ["--input", source, "--tokenizer-type", "NullTokenizer", "--vocab-size", "20", "--append-eod",
-             "--null-tokenizer-eod", "extra", "--output-prefix", str(tmp_path / "c")]
+    flags = [
+        "--input",
+        source,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "20",
+        "--append-eod",
+        "--null-tokenizer-eod",
+        "extra",
+        "--output-prefix",
+        str(tmp_path / "c"),
+    ]
     preprocess.main(flags)
     expected_bin, expected_idx = megatron_preprocessed(ROWS, eod=20, append_eod=True)
     assert (tmp_path / "c_text_document.bin").read_bytes() == expected_bin
@@ -104,8 +116,9 @@ def test_empty_rows_move_no_split_boundary_and_no_sample(tmp_path):
     spec = TokenizerSpec("NullTokenizer", vocab_size=20)
     built = []
     for name, texts in (("plain", rows), ("empty", with_empty)):
-        [prefix] = preprocess.preprocess(write_jsonl(tmp_path / f"{name}.jsonl", texts), str(tmp_path / name), spec,
-                                         ["text"], append_eod=True)
+        [prefix] = preprocess.preprocess(
+            write_jsonl(tmp_path / f"{name}.jsonl", texts), str(tmp_path / name), spec, ["text"], append_eod=True
+        )
         built.append(build_train_valid_test_datasets([prefix], "8,1,1", (30, 5, 5), 6, 1, vocab_size=20))
     for plain, empty in zip(*built):
         for kind in ("doc_idx", "sample_idx", "shuffle_idx"):
@@ -170,10 +183,27 @@ def legacy_split(splits_string: str, size: int) -> list[int]:
 
 
 SPLIT_TABLE = [
-    ("969,30,1", 1000), ("969,30,1", 10_000), ("969,30,1", 137), ("969,30,1", 50), ("949,50,1", 2000),
-    ("98,2,0", 50), ("98/2", 10), ("99,1", 150), ("1,1,1", 10), ("1,1,1", 100), ("1,1,1", 7), ("80,20", 2),
-    ("80,10,10", 33), ("90,5,5", 21), ("1,1", 5), ("1,2,1", 6), ("0.5,0.25,0.25", 7), ("3,1,1", 12),
-    ("1,0,1", 5), ("7,2,1", 15), ("70,20,10", 1),
+    ("969,30,1", 1000),
+    ("969,30,1", 10_000),
+    ("969,30,1", 137),
+    ("969,30,1", 50),
+    ("949,50,1", 2000),
+    ("98,2,0", 50),
+    ("98/2", 10),
+    ("99,1", 150),
+    ("1,1,1", 10),
+    ("1,1,1", 100),
+    ("1,1,1", 7),
+    ("80,20", 2),
+    ("80,10,10", 33),
+    ("90,5,5", 21),
+    ("1,1", 5),
+    ("1,2,1", 6),
+    ("0.5,0.25,0.25", 7),
+    ("3,1,1", 12),
+    ("1,0,1", 5),
+    ("7,2,1", 15),
+    ("70,20,10", 1),
 ]
 
 
@@ -190,7 +220,8 @@ def test_legacy_split_is_megatron_deepspeeds(split, size):
 
 def test_the_two_roundings_differ_where_rounding_lands_differently():
     differ = [
-        (split, size) for split, size in SPLIT_TABLE
+        (split, size)
+        for split, size in SPLIT_TABLE
         if get_train_valid_test_split(split, size, SPLIT_CUMULATIVE) != legacy_split(split, size)
     ]
     # Worked by hand: halves of 5 end at 2.5, which rounds half to even, to 2 (cumulative); the
@@ -198,8 +229,15 @@ def test_the_two_roundings_differ_where_rounding_lands_differently():
     assert get_train_valid_test_split("1,1", 5) == [0, 2, 5, 5]
     assert get_train_valid_test_split("1,1", 5, SPLIT_LEGACY) == [0, 3, 5, 5]
     assert differ == [
-        ("1,1,1", 10), ("1,1,1", 100), ("1,1,1", 7), ("80,10,10", 33), ("1,1", 5), ("1,2,1", 6),
-        ("0.5,0.25,0.25", 7), ("3,1,1", 12), ("1,0,1", 5),
+        ("1,1,1", 10),
+        ("1,1,1", 100),
+        ("1,1,1", 7),
+        ("80,10,10", 33),
+        ("1,1", 5),
+        ("1,2,1", 6),
+        ("0.5,0.25,0.25", 7),
+        ("3,1,1", 12),
+        ("1,0,1", 5),
     ]
 
 

@@ -28,20 +28,57 @@ from tests.training_fixtures import tiny_config, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))
 one_thread = inference_fixtures.one_thread  # autouse: this module's tiny models run on one thread
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=32,
-            ffn_hidden_size=48, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)
+TINY = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    max_position_embeddings=32,
+    ffn_hidden_size=48,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    init_method_std=0.2,
+)
 # Llama: RMSNorm, SwiGLU, no biases, untied, GQA (2 groups of 2 heads), rope only, a head dim of its own
-LLAMA = dict(TINY, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, add_bias_linear=False,
-             untie_embeddings_and_output_weights=True, num_query_groups=2, kv_channels=12,
-             position_embedding_type="rope", rotary_base=5000.0)
-LLAMA_HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=12, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=5000.0,
-                tie_word_embeddings=False, attention_bias=False)
+LLAMA = dict(
+    TINY,
+    normalization="RMSNorm",
+    norm_epsilon=1e-6,
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_query_groups=2,
+    kv_channels=12,
+    position_embedding_type="rope",
+    rotary_base=5000.0,
+)
+LLAMA_HF = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    rope_theta=5000.0,
+    tie_word_embeddings=False,
+    attention_bias=False,
+)
 NEOX = dict(TINY, hidden_size=64, position_embedding_type="rope", rotary_percent=0.25, rotary_base=5000.0)
 HF_REASON = "the Hugging Face comparisons need transformers (pip install transformers)"
 OLD_HF_NAMES = {"lm_head.weight": "embed_out.weight"}  # GPT-NeoX's output layer before transformers 5
-NEW_FIELDS = {"normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "num_query_groups",
-              "kv_channels", "qk_layernorm", "rotary_percent"}
+NEW_FIELDS = {
+    "normalization",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
+    "rotary_percent",
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,21 +109,29 @@ def grouped_qkv(weight: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, 
     """Our fused GQA weight, [G, N/G + 2, D, H] (Megatron-LM's layout), as separate q, k and v weights."""
     per_group = config.num_attention_heads // config.kv_heads
     w_GXDH = weight.view(config.kv_heads, per_group + 2, config.head_dim, -1)
-    return (w_GXDH[:, :per_group].flatten(0, 2), w_GXDH[:, per_group].flatten(0, 1),
-            w_GXDH[:, per_group + 1].flatten(0, 1))
+    return (
+        w_GXDH[:, :per_group].flatten(0, 2),
+        w_GXDH[:, per_group].flatten(0, 1),
+        w_GXDH[:, per_group + 1].flatten(0, 1),
+    )
 
 
 def llama_state(model: GPTModel) -> dict[str, torch.Tensor]:
     """Our Llama-style weights under transformers' Llama (and Qwen3) names."""
     c, f = model.config, model.config.ffn_hidden_size
-    state = {"model.embed_tokens.weight": model.word_embeddings.weight, "model.norm.weight": model.final_layernorm.weight,
-             "lm_head.weight": model.output_layer.weight}
+    state = {
+        "model.embed_tokens.weight": model.word_embeddings.weight,
+        "model.norm.weight": model.final_layernorm.weight,
+        "lm_head.weight": model.output_layer.weight,
+    }
     for index, layer in enumerate(model.layers):
         prefix, attention = f"model.layers.{index}.", layer.self_attention
         q, k, v = grouped_qkv(attention.query_key_value.weight, c)
         state |= {
-            prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
-            prefix + "self_attn.v_proj.weight": v, prefix + "self_attn.o_proj.weight": attention.dense.weight,
+            prefix + "self_attn.q_proj.weight": q,
+            prefix + "self_attn.k_proj.weight": k,
+            prefix + "self_attn.v_proj.weight": v,
+            prefix + "self_attn.o_proj.weight": attention.dense.weight,
             prefix + "input_layernorm.weight": layer.input_layernorm.weight,
             prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
             prefix + "mlp.gate_proj.weight": layer.mlp.dense_h_to_4h.weight[:f],
@@ -94,8 +139,10 @@ def llama_state(model: GPTModel) -> dict[str, torch.Tensor]:
             prefix + "mlp.down_proj.weight": layer.mlp.dense_4h_to_h.weight,
         }
         if c.qk_layernorm:
-            state |= {prefix + "self_attn.q_norm.weight": attention.q_layernorm.weight,
-                      prefix + "self_attn.k_norm.weight": attention.k_layernorm.weight}
+            state |= {
+                prefix + "self_attn.q_norm.weight": attention.q_layernorm.weight,
+                prefix + "self_attn.k_norm.weight": attention.k_layernorm.weight,
+            }
     return state
 
 
@@ -103,9 +150,12 @@ def neox_state(model: GPTModel) -> dict[str, torch.Tensor]:
     """Our classic-layout weights under transformers' GPT-NeoX names: NeoX fuses q, k, v per head
     ([N, 3, D]) where our classic layout has all queries, then keys, then values ([3, N, D])."""
     c = model.config
-    state = {"gpt_neox.embed_in.weight": model.word_embeddings.weight, "lm_head.weight": model.word_embeddings.weight,
-             "gpt_neox.final_layer_norm.weight": model.final_layernorm.weight,
-             "gpt_neox.final_layer_norm.bias": model.final_layernorm.bias}
+    state = {
+        "gpt_neox.embed_in.weight": model.word_embeddings.weight,
+        "lm_head.weight": model.word_embeddings.weight,
+        "gpt_neox.final_layer_norm.weight": model.final_layernorm.weight,
+        "gpt_neox.final_layer_norm.bias": model.final_layernorm.bias,
+    }
     for index, layer in enumerate(model.layers):
         prefix = f"gpt_neox.layers.{index}."
         for name, tensor in layer.state_dict().items():
@@ -121,8 +171,9 @@ def assert_same_logits(model: GPTModel, hf_config: Any, state: dict[str, torch.T
     transformers = pytest.importorskip("transformers", reason=HF_REASON)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
     names = set(hf.state_dict())
-    hf.load_state_dict({name if name in names else OLD_HF_NAMES.get(name, name): tensor
-                        for name, tensor in state.items()}, strict=True)
+    hf.load_state_dict(
+        {name if name in names else OLD_HF_NAMES.get(name, name): tensor for name, tensor in state.items()}, strict=True
+    )
     with torch.no_grad():
         ours, theirs = model(tokens()), hf(tokens()).logits
     assert theirs.std() > 0.5  # logits far from zero, so agreement means something
@@ -146,9 +197,18 @@ def test_partial_rotary_model_equals_transformers_gpt_neox():
     transformers = pytest.importorskip("transformers", reason=HF_REASON)
     model = random_model(**NEOX)
     config = transformers.GPTNeoXConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=32, layer_norm_eps=1e-5, rotary_pct=0.25, rotary_emb_base=5000.0,
-        use_parallel_residual=False, hidden_act="gelu", tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        layer_norm_eps=1e-5,
+        rotary_pct=0.25,
+        rotary_emb_base=5000.0,
+        use_parallel_residual=False,
+        hidden_act="gelu",
+        tie_word_embeddings=False,
     )
     assert_same_logits(model, config, neox_state(model))
 
@@ -179,7 +239,9 @@ def test_kv_cache_holds_the_key_value_heads_and_equals_the_full_forward(groups, 
     with torch.no_grad():
         full_BSV = model(tokens_BS)
         cache = model.new_kv_cache(2, 12)
-        steps = [model(tokens_BS[:, :5], kv_cache=cache)] + [model(tokens_BS[:, t:t + 1], kv_cache=cache) for t in range(5, 12)]
+        steps = [model(tokens_BS[:, :5], kv_cache=cache)] + [
+            model(tokens_BS[:, t : t + 1], kv_cache=cache) for t in range(5, 12)
+        ]
     assert cache.layers[0].keys_BGLD.shape == (2, groups, 12, 12)
     torch.testing.assert_close(torch.cat(steps, dim=1), full_BSV, rtol=1e-4, atol=1e-5)
     prompt_BS = tokens_BS[:, :4]
@@ -197,10 +259,19 @@ def test_gqa_without_sdpa_enable_gqa_repeats_the_key_value_heads(monkeypatch):
         torch.testing.assert_close(repeating(tokens()), model(tokens()), rtol=1e-5, atol=1e-6)
 
 
-MODERN_FLAGS = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True,
-                    untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
-                    kv_channels=12, qk_layernorm=True, position_embedding_type="rope", rotary_percent=0.5,
-                    norm_epsilon=1e-6)
+MODERN_FLAGS = dict(
+    swiglu=True,
+    normalization="RMSNorm",
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    kv_channels=12,
+    qk_layernorm=True,
+    position_embedding_type="rope",
+    rotary_percent=0.5,
+    norm_epsilon=1e-6,
+)
 
 
 def test_a_checkpoint_keeps_the_options_and_the_logits(corpus, tmp_path):
@@ -239,25 +310,35 @@ def test_a_classic_checkpoint_saved_before_the_options_loads_with_the_defaults(c
 
 
 def sized(flags: str) -> GPTConfig:
-    args = build_parser(sizing=True).parse_args(f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 "
-                                                f"--seq-length 16 {flags}".split())
+    args = build_parser(sizing=True).parse_args(
+        f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 {flags}".split()
+    )
     return model_config_from_args(args)
 
 
-@pytest.mark.parametrize("flags, message", [
-    ("--group-query-attention --num-query-groups 3", "--num-query-groups 3 does not divide --num-attention-heads 4"),
-    ("--num-query-groups 2", "--num-query-groups needs --group-query-attention"),
-    ("--position-embedding-type rope --rotary-percent 1.5", r"--rotary-percent 1.5 is outside \(0, 1\]"),
-    ("--rotary-percent 0", "--rotary-percent: '0' is not a positive number"),
-    ("--rotary-percent 0.5", "--rotary-percent applies to rotary embeddings only"),
-    ("--position-embedding-type rope --rotary-percent 0.375", "--rotary-percent 0.375 of head dim 8 rotates 3 dims"),
-    ("--position-embedding-type rope --kv-channels 7", "--rotary-percent 1.0 of head dim 7 rotates 7 dims"),
-    ("--hidden-size 30", "give --kv-channels"),
-    ("--normalization BatchNorm", "--normalization: invalid choice: 'BatchNorm'"),
-    ("--num-experts 4 --moe-shared-expert-gate", "--moe-shared-expert-gate gates the shared experts"),
-    ("--moe-shared-expert-intermediate-size 16", "adds shared experts to MoE layers, but this model has none"),
-    ("--num-experts 4 --mlp-type residual --moe-shared-expert-intermediate-size 16", "choose one"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            "--group-query-attention --num-query-groups 3",
+            "--num-query-groups 3 does not divide --num-attention-heads 4",
+        ),
+        ("--num-query-groups 2", "--num-query-groups needs --group-query-attention"),
+        ("--position-embedding-type rope --rotary-percent 1.5", r"--rotary-percent 1.5 is outside \(0, 1\]"),
+        ("--rotary-percent 0", "--rotary-percent: '0' is not a positive number"),
+        ("--rotary-percent 0.5", "--rotary-percent applies to rotary embeddings only"),
+        (
+            "--position-embedding-type rope --rotary-percent 0.375",
+            "--rotary-percent 0.375 of head dim 8 rotates 3 dims",
+        ),
+        ("--position-embedding-type rope --kv-channels 7", "--rotary-percent 1.0 of head dim 7 rotates 7 dims"),
+        ("--hidden-size 30", "give --kv-channels"),
+        ("--normalization BatchNorm", "--normalization: invalid choice: 'BatchNorm'"),
+        ("--num-experts 4 --moe-shared-expert-gate", "--moe-shared-expert-gate gates the shared experts"),
+        ("--moe-shared-expert-intermediate-size 16", "adds shared experts to MoE layers, but this model has none"),
+        ("--num-experts 4 --mlp-type residual --moe-shared-expert-intermediate-size 16", "choose one"),
+    ],
+)
 def test_a_bad_combination_names_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
         sized(flags)
@@ -324,7 +405,8 @@ def test_swiglu_experts_without_biases_follow_the_dense_options():
     assert config.flops_per_token(16) - gelu.flops_per_token(16) == 3 * (2 * 32 * 128 + 2 * 2 * 32 * 16)
     assert model_size(config, 16).total == sum(p.numel() for p in GPTModel(config).parameters())
     assert model_size(config, 16).total - model_size(replace(config, add_bias_linear=True), 16).total == -(
-        2 * (3 * 32 + 32) + (2 * 128 + 32) + 4 * (2 * 16 + 32))  # both attentions', the dense MLP's, 4 experts'
+        2 * (3 * 32 + 32) + (2 * 128 + 32) + 4 * (2 * 16 + 32)
+    )  # both attentions', the dense MLP's, 4 experts'
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -362,8 +444,13 @@ def test_defaults_build_the_classic_model():
 
 def test_untied_output_layer_is_initialised_with_init_method_std():
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**dict(TINY, hidden_size=256, vocab_size=512, init_method_std=0.05),
-                               untie_embeddings_and_output_weights=True, swiglu=True))
+    model = GPTModel(
+        GPTConfig(
+            **dict(TINY, hidden_size=256, vocab_size=512, init_method_std=0.05),
+            untie_embeddings_and_output_weights=True,
+            swiglu=True,
+        )
+    )
     assert model.output_layer.weight.std().item() == pytest.approx(0.05, rel=0.05)
     assert model.output_layer.weight.data_ptr() != model.word_embeddings.weight.data_ptr()
     assert model.layers[0].mlp.dense_h_to_4h.weight.std().item() == pytest.approx(0.05, rel=0.05)

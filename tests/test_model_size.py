@@ -13,15 +13,25 @@ from megatron.model import GPTModel
 from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel, tensor_parallel_split
 from megatron.model_size import (
-    GIB, ParameterCounts, RankParameters, check_layout, model_size, rank_memory, rank_parameters,
-    stage_parameters, valid_ep_sizes, with_scale,
+    GIB,
+    ParameterCounts,
+    RankParameters,
+    check_layout,
+    model_size,
+    rank_memory,
+    rank_parameters,
+    stage_parameters,
+    valid_ep_sizes,
+    with_scale,
 )
 from megatron.model_size import main as model_size_main
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
-PAPER = {"350M": "--num-layers 24 --hidden-size 1024 --num-attention-heads 16",
-         "1.3B": "--num-layers 24 --hidden-size 2048 --num-attention-heads 16"}
+PAPER = {
+    "350M": "--num-layers 24 --hidden-size 1024 --num-attention-heads 16",
+    "1.3B": "--num-layers 24 --hidden-size 2048 --num-attention-heads 16",
+}
 PR_350M, PR_13B = "32 " * 10 + "64 64", "64 " * 10 + "128 128"
 
 
@@ -30,14 +40,17 @@ def sized(flags: str):
     return replace(model_config_from_args(args), vocab_size=50304)  # GPT-2's 50257, padded to 128
 
 
-@pytest.mark.parametrize("name, flags, published", [
-    ("350M+MoE-128", f"{PAPER['350M']} --num-experts 128", 13e9),
-    ("1.3B+MoE-128", f"{PAPER['1.3B']} --num-experts 128", 52e9),
-    ("350M PR-MoE-32/64", f"{PAPER['350M']} --num-experts {PR_350M} --mlp-type residual", 4.0e9),
-    ("1.3B PR-MoE-64/128", f"{PAPER['1.3B']} --num-experts {PR_13B} --mlp-type residual", 31e9),
-    ("350M MoS", f"{PAPER['350M']} --num-layers 21 --num-experts {'32 ' * 8}64 64 --mlp-type residual", 3.5e9),
-    ("1.3B MoS", f"{PAPER['1.3B']} --num-layers 21 --num-experts {'64 ' * 8}128 128 --mlp-type residual", 27e9),
-])
+@pytest.mark.parametrize(
+    "name, flags, published",
+    [
+        ("350M+MoE-128", f"{PAPER['350M']} --num-experts 128", 13e9),
+        ("1.3B+MoE-128", f"{PAPER['1.3B']} --num-experts 128", 52e9),
+        ("350M PR-MoE-32/64", f"{PAPER['350M']} --num-experts {PR_350M} --mlp-type residual", 4.0e9),
+        ("1.3B PR-MoE-64/128", f"{PAPER['1.3B']} --num-experts {PR_13B} --mlp-type residual", 31e9),
+        ("350M MoS", f"{PAPER['350M']} --num-layers 21 --num-experts {'32 ' * 8}64 64 --mlp-type residual", 3.5e9),
+        ("1.3B MoS", f"{PAPER['1.3B']} --num-layers 21 --num-experts {'64 ' * 8}128 128 --mlp-type residual", 27e9),
+    ],
+)
 def test_paper_model_sizes(name, flags, published):
     size = model_size(sized(flags), 2048)
     assert abs(size.total - published) / published < 0.05, (name, size.total)
@@ -67,29 +80,42 @@ def test_memory_per_rank_follows_the_zero_stage_and_expert_parallel_size():
 
 
 def test_model_size_tool_prints_the_named_lines(capsys):
-    model_size_main(f"{PAPER['350M']} --num-experts 128 --seq-length 2048 --vocab-size 50257 --world-size 16 "
-                    "--moe-expert-parallel-size 16".split())
+    model_size_main(
+        f"{PAPER['350M']} --num-experts 128 --seq-length 2048 --vocab-size 50257 --world-size 16 "
+        "--moe-expert-parallel-size 16".split()
+    )
     out = capsys.readouterr().out
     assert "total parameters: 13,1" in out and "(13.1B)\n" in out and "active parameters per token: " in out
     assert "training FLOPs per token:" in out and out.count(" *\n") == 5  # EP 16, ZeRO 0-3; the TP 1 x PP 1 layout
     assert "note:" not in out
 
 
-@pytest.mark.parametrize("n, text", [
-    (0, "0"), (999, "999"), (1_234, "1,234 (1.23K)"), (356_000_000, "356,000,000 (356M)"),
-    (999_999_999, "999,999,999 (1B)"), (1_234_567_890, "1,234,567,890 (1.23B)"),
-    (13_149_534_208, "13,149,534,208 (13.1B)"), (2.7344e9, "2,734,400,000 (2.73B)"),
-])
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0"),
+        (999, "999"),
+        (1_234, "1,234 (1.23K)"),
+        (356_000_000, "356,000,000 (356M)"),
+        (999_999_999, "999,999,999 (1B)"),
+        (1_234_567_890, "1,234,567,890 (1.23B)"),
+        (13_149_534_208, "13,149,534,208 (13.1B)"),
+        (2.7344e9, "2,734,400,000 (2.73B)"),
+    ],
+)
 def test_numbers_read_exactly_and_at_a_glance(n, text):
     assert with_scale(n) == text
 
 
-@pytest.mark.parametrize("vocab_flags, vocabulary, note", [
-    ("", "vocabulary 50,304 (padded)", "GPT-2's vocabulary of 50,257 tokens (padded to 50,304)"),
-    ("--vocab-size 1000", "vocabulary 1,024 (padded)", None),
-    ("--padded-vocab-size 1000", "vocabulary 1,000 (padded)", None),
-    ("--tokenizer-type NullTokenizer --vocab-size 1000", "vocabulary 1,024 (padded)", None),
-])
+@pytest.mark.parametrize(
+    "vocab_flags, vocabulary, note",
+    [
+        ("", "vocabulary 50,304 (padded)", "GPT-2's vocabulary of 50,257 tokens (padded to 50,304)"),
+        ("--vocab-size 1000", "vocabulary 1,024 (padded)", None),
+        ("--padded-vocab-size 1000", "vocabulary 1,000 (padded)", None),
+        ("--tokenizer-type NullTokenizer --vocab-size 1000", "vocabulary 1,024 (padded)", None),
+    ],
+)
 def test_model_size_tool_needs_no_tokenizer(vocab_flags, vocabulary, note, capsys):
     model_size_main(f"{PAPER['350M']} --seq-length 2048 {vocab_flags}".split())
     lines = capsys.readouterr().out.splitlines()
@@ -106,15 +132,40 @@ def test_model_size_help_describes_the_tool(capsys):
 
 
 def test_pretrain_dry_run_checks_the_flags_and_sizes_without_data(tmp_path):
-    cmd = [sys.executable, "pretrain_gpt.py", "--dry-run", "--num-layers", "2", "--hidden-size", "32",
-           "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
-           "--train-iters", "5", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-           "--data-path", str(tmp_path / "missing"), "--num-experts", "4"]
+    cmd = [
+        sys.executable,
+        "pretrain_gpt.py",
+        "--dry-run",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--lr",
+        "1e-3",
+        "--train-iters",
+        "5",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        "--data-path",
+        str(tmp_path / "missing"),
+        "--num-experts",
+        "4",
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
+
     def count(label: str) -> int:  # "total parameters: 1,234 (1.23K)" -> 1234
         return next(int(line.split(": ")[1].split(" ")[0].replace(",", "")) for line in lines if line.startswith(label))
+
     total, active = count("total parameters: "), count("active parameters per token: ")
     assert total > active > 0 and not (tmp_path / "missing.idx").exists()
 
@@ -165,8 +216,9 @@ def test_moe_stage_holds_its_expert_parallel_share_of_the_experts_whole_on_each_
     size = model_size(tiny("--num-experts 4"), 16)  # layer 1 is MoE: 4 experts of an 8 -> 32 -> 8 MLP
     experts = 4 * (8 * 32 + 32 + 32 * 8 + 8)
     router = 4 * 8  # whole on every TP rank, like the layer's norms and the attention's dense bias
-    assert size.layers[1] == ParameterCounts(tp_split=216 + 64, tp_whole=2 * 16 + 8 + router, expert=experts - 4 * 8,
-                                             expert_tp_whole=4 * 8)
+    assert size.layers[1] == ParameterCounts(
+        tp_split=216 + 64, tp_whole=2 * 16 + 8 + router, expert=experts - 4 * 8, expert_tp_whole=4 * 8
+    )
     # TP 2 x PP 2, EP 2: the last stage holds layer 1's attention split, its router whole and half the experts
     last = RankParameters((280 + 256) / 2 + 72 + 16, experts / 2)
     assert rank_parameters(size, tp_size=2, pp_size=2, ep_size=2) == [RankParameters(716, 0), last]
@@ -180,7 +232,10 @@ def test_moe_stage_holds_its_expert_parallel_share_of_the_experts_whole_on_each_
     assert valid_ep_sizes(tiny("--num-experts 4"), 8, pp_size=2) == [1, 2, 4]
     # expert-TP 2 halves each expert's w1, b1 and w2 (not its output bias b2) and the expert-DP group
     split_last = RankParameters(356, (experts - 4 * 8) / 4 + 4 * 8 / 2)
-    assert rank_parameters(size, tp_size=2, pp_size=2, ep_size=2, expert_tp_size=2) == [RankParameters(716, 0), split_last]
+    assert rank_parameters(size, tp_size=2, pp_size=2, ep_size=2, expert_tp_size=2) == [
+        RankParameters(716, 0),
+        split_last,
+    ]
     memory = rank_memory(size, world_size=8, ep_size=2, zero_stage=3, tp_size=2, pp_size=2, expert_tp_size=2)
     assert memory.total == pytest.approx(20 * (356 / 2 + split_last.expert))
     assert valid_ep_sizes(tiny("--num-experts 4"), 8, pp_size=2, expert_tp_size=2) == [1, 2]
@@ -209,8 +264,10 @@ def test_uneven_first_and_last_stages_take_the_layers_megatron_gives_them():
     assert memory.stage == 3 and memory.total == 16 * (stages[3].tp_split + stages[3].tp_whole)
 
 
-@pytest.mark.parametrize("flags", ["", "--untie-embeddings-and-output-weights --position-embedding-type rope",
-                                   "--num-experts 4 --mlp-type residual"])
+@pytest.mark.parametrize(
+    "flags",
+    ["", "--untie-embeddings-and-output-weights --position-embedding-type rope", "--num-experts 4 --mlp-type residual"],
+)
 @pytest.mark.parametrize("pp, first", [(2, None), (2, 1), (4, None)])
 def test_stages_hold_what_the_pipeline_stage_model_holds(flags, pp, first):
     config = tiny(f"{flags} --num-layers 4")
@@ -218,17 +275,29 @@ def test_stages_hold_what_the_pipeline_stage_model_holds(flags, pp, first):
     for rank, stage in enumerate(stages):
         with torch.device("meta"):
             model = GPTModel(config, stage=pipeline_stage(4, pp, rank, first))
-        assert sum(p.numel() for p in model.parameters()) == stage.tp_split + stage.tp_whole + stage.expert + stage.expert_tp_whole, rank
+        assert (
+            sum(p.numel() for p in model.parameters())
+            == stage.tp_split + stage.tp_whole + stage.expert + stage.expert_tp_whole
+        ), rank
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(tp_size=3), "--tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 does not divide the 8 ranks"),
-    (dict(tp_size=4), "--num-attention-heads 2 cannot be split over --tensor-model-parallel-size 4"),
-    (dict(pp_size=4), "--num-layers 2 cannot be split over --pipeline-model-parallel-size 4"),
-    (dict(pp_size=2, ep_size=8), "--moe-expert-parallel-size 8 x --expert-tensor-parallel-size 1 does not divide "
-                                 "the 4 ranks of a pipeline stage"),
-    (dict(ep_size=8), "4 experts cannot be split over --moe-expert-parallel-size 8"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (
+            dict(tp_size=3),
+            "--tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 does not divide the 8 ranks",
+        ),
+        (dict(tp_size=4), "--num-attention-heads 2 cannot be split over --tensor-model-parallel-size 4"),
+        (dict(pp_size=4), "--num-layers 2 cannot be split over --pipeline-model-parallel-size 4"),
+        (
+            dict(pp_size=2, ep_size=8),
+            "--moe-expert-parallel-size 8 x --expert-tensor-parallel-size 1 does not divide "
+            "the 4 ranks of a pipeline stage",
+        ),
+        (dict(ep_size=8), "4 experts cannot be split over --moe-expert-parallel-size 8"),
+    ],
+)
 def test_layouts_that_do_not_divide_are_refused_with_one_sentence(sizes, message):
     with pytest.raises(ConfigError, match=message):
         check_layout(tiny("--num-experts 4"), 8, **sizes)
@@ -242,15 +311,16 @@ def _local_parameters_on_rank() -> dict[str, torch.Tensor]:
         with torch.device("meta"):  # the experts split over the same ranks in the expert-TP case
             model = GPTModel(tiny(flags), tp=TensorParallel(group, True, group if case == "expert_tp" else None))
         for kind, split in (("split", True), ("whole", False)):
-            out[f"{case}/{kind}"] = torch.tensor(sum(p.numel() for p in model.parameters()
-                                                     if (tensor_parallel_split(p) is not None) == split))
+            out[f"{case}/{kind}"] = torch.tensor(
+                sum(p.numel() for p in model.parameters() if (tensor_parallel_split(p) is not None) == split)
+            )
     return out
 
 
 TP_CASES = {
     "classic": "",
     "modern": "--swiglu --group-query-attention --num-query-groups 2 --normalization RMSNorm --qk-layernorm "
-              "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope",
+    "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope",
     "pr_moe": "--num-experts 4 --mlp-type residual",
     "shared_experts": "--num-experts 4 --moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate",
     "expert_tp": "--num-experts 4 --swiglu",
@@ -264,33 +334,61 @@ def test_sizing_splits_what_the_tensor_parallel_model_splits():
         counts = sum((*size.layers, size.embedding, size.head), ParameterCounts())
         for rank in ranks:
             split_experts, whole_experts = (counts.expert, 0) if case == "expert_tp" else (0, counts.expert)
-            assert (rank[f"{case}/split"].item(), rank[f"{case}/whole"].item()) == \
-                (counts.tp_split / 2 + split_experts / 2, counts.tp_whole + whole_experts + counts.expert_tp_whole), case
+            assert (rank[f"{case}/split"].item(), rank[f"{case}/whole"].item()) == (
+                counts.tp_split / 2 + split_experts / 2,
+                counts.tp_whole + whole_experts + counts.expert_tp_whole,
+            ), case
 
 
 def test_model_size_tool_prints_memory_for_every_layout(capsys):
-    model_size_main(f"{PAPER['350M']} --seq-length 2048 --vocab-size 50257 --world-size 8 "
-                    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 1".split())
+    model_size_main(
+        f"{PAPER['350M']} --seq-length 2048 --vocab-size 50257 --world-size 8 "
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 1".split()
+    )
     lines = capsys.readouterr().out.splitlines()
     assert "vocabulary 50,432 (padded)" in lines[0]  # padded to 128 x TP 2, as training pads it
     assert "on 8 rank(s) as TP 2 x DP 2 x PP 2" in lines[4] and lines[5].split()[-1] == "stage"
     start = next(i for i, line in enumerate(lines) if line.startswith("memory per rank in GiB for each layout"))
     assert "of 8 rank(s) at ZeRO stage 1 and EP size 1" in lines[start]
-    assert lines[start + 1].split() == ["TP", "PP", "DP", "EP-DP", "stage", "weights", "gradients", "optimizer", "total"]
-    rows = [line.split() for line in lines[start + 2:]]
+    assert lines[start + 1].split() == [
+        "TP",
+        "PP",
+        "DP",
+        "EP-DP",
+        "stage",
+        "weights",
+        "gradients",
+        "optimizer",
+        "total",
+    ]
+    rows = [line.split() for line in lines[start + 2 :]]
     # 16 heads and 24 layers: every TP x PP that divides 8 ranks
     assert [(int(r[0]), int(r[1]), int(r[2])) for r in rows] == [
-        (1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]
+        (1, 1, 8),
+        (1, 2, 4),
+        (1, 4, 2),
+        (1, 8, 1),
+        (2, 1, 4),
+        (2, 2, 2),
+        (2, 4, 1),
+        (4, 1, 2),
+        (4, 2, 1),
+        (8, 1, 1),
+    ]
     assert [r[-1] for r in rows].count("*") == 1 and rows[5][-1] == "*"
     size = model_size(replace(sized(PAPER["350M"]), vocab_size=50432), 2048)
     memory = rank_memory(size, 8, 1, 1, tp_size=2, pp_size=2)
-    assert rows[5][4:9] == [str(memory.stage), *(f"{b / GIB:.2f}" for b in
-                                                 (memory.weights, memory.gradients, memory.optimizer, memory.total))]
+    assert rows[5][4:9] == [
+        str(memory.stage),
+        *(f"{b / GIB:.2f}" for b in (memory.weights, memory.gradients, memory.optimizer, memory.total)),
+    ]
 
 
 def test_model_size_tool_refuses_a_layout_that_does_not_divide(capsys):
     with pytest.raises(SystemExit) as exit_info:
         model_size_main(f"{PAPER['350M']} --seq-length 2048 --world-size 8 --tensor-model-parallel-size 3".split())
     assert exit_info.value.code == 1
-    assert capsys.readouterr().err == ("error: --tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 does "
-                                       "not divide the 8 ranks; choose sizes whose product divides the number of processes\n")
+    assert capsys.readouterr().err == (
+        "error: --tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 does "
+        "not divide the 8 ranks; choose sizes whose product divides the number of processes\n"
+    )

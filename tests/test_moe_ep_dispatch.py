@@ -6,7 +6,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.model.moe.dispatch import (
-    exchange_counts, return_from_expert_ranks, send_to_expert_ranks, sort_by_expert, transpose_blocks,
+    exchange_counts,
+    return_from_expert_ranks,
+    send_to_expert_ranks,
+    sort_by_expert,
+    transpose_blocks,
 )
 from megatron.model.moe.router import Gating
 from tests.dist_utils import run_distributed
@@ -28,8 +32,13 @@ def test_transpose_blocks_reorders_blocks_and_its_gradient_goes_back():
 
 
 def _gating(expert_ids_TK: torch.Tensor, kept_TK: torch.Tensor, num_experts: int) -> Gating:
-    return Gating(torch.zeros(()), expert_ids_TK, torch.rand(expert_ids_TK.shape) * kept_TK,
-                  torch.where(kept_TK, 0, -1), torch.bincount(expert_ids_TK.flatten(), minlength=num_experts))
+    return Gating(
+        torch.zeros(()),
+        expert_ids_TK,
+        torch.rand(expert_ids_TK.shape) * kept_TK,
+        torch.where(kept_TK, 0, -1),
+        torch.bincount(expert_ids_TK.flatten(), minlength=num_experts),
+    )
 
 
 def _round_trip(num_experts: int, all_to_first: bool) -> dict[str, torch.Tensor]:
@@ -54,10 +63,14 @@ def _round_trip(num_experts: int, all_to_first: bool) -> dict[str, torch.Tensor]
     all_counts_E = counts_E.clone()
     dist.all_reduce(all_counts_E)
     return {
-        "sent_counts": counts.send_E, "sorted_counts": counts_E,
-        "local_counts": local_counts, "expected_local_counts": all_counts_E[rank * local:(rank + 1) * local],
-        "out": y_NH.detach(), "expected_out": rows_NH.detach() * scale_N,
-        "x_grad": x_TH.grad, "expected_x_grad": torch.zeros_like(x_TH).index_add(0, routes.token_N, grad_NH * scale_N),
+        "sent_counts": counts.send_E,
+        "sorted_counts": counts_E,
+        "local_counts": local_counts,
+        "expected_local_counts": all_counts_E[rank * local : (rank + 1) * local],
+        "out": y_NH.detach(),
+        "expected_out": rows_NH.detach() * scale_N,
+        "x_grad": x_TH.grad,
+        "expected_x_grad": torch.zeros_like(x_TH).index_add(0, routes.token_N, grad_NH * scale_N),
     }
 
 

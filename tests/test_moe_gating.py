@@ -49,18 +49,21 @@ def assert_gating(g, l_aux, ids, gates, positions, tokens_per_expert):
     torch.testing.assert_close(g.l_aux.float(), torch.tensor(l_aux, dtype=torch.float32), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("args, expected", [
-    ((8, 4, 1, 1.0, 0), 2),      # exact: no spurious round-up
-    ((16, 4, 2, 1.0, 4), 8),     # k counts: 2 * 16 / 4
-    ((7, 3, 1, 1.0, 1), 3),      # ceil(2.33)
-    ((10, 4, 2, 1.25, 1), 7),    # ceil(6.25)
-    ((100, 8, 1, 0.5, 4), 7),    # ceil(6.25) beats min 4
-    ((8, 4, 1, 1.0, 4), 4),      # min_capacity wins over 2
-    ((3, 8, 1, 1.0, 0), 1),      # ceil(0.375)
-    ((8, 4, 1, 1.5, 0), 3),      # exact 3.0
-    ((100, 1, 1, 1.1, 0), 110),  # DeepSpeed's float32 product: 110 exactly (float64 gives 110.00000000000001)
-    ((100, 2, 1, 1.2, 0), 61),   # and float32(1.2) x 50 rounds up past 60 (float64 gives 60)
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((8, 4, 1, 1.0, 0), 2),  # exact: no spurious round-up
+        ((16, 4, 2, 1.0, 4), 8),  # k counts: 2 * 16 / 4
+        ((7, 3, 1, 1.0, 1), 3),  # ceil(2.33)
+        ((10, 4, 2, 1.25, 1), 7),  # ceil(6.25)
+        ((100, 8, 1, 0.5, 4), 7),  # ceil(6.25) beats min 4
+        ((8, 4, 1, 1.0, 4), 4),  # min_capacity wins over 2
+        ((3, 8, 1, 1.0, 0), 1),  # ceil(0.375)
+        ((8, 4, 1, 1.5, 0), 3),  # exact 3.0
+        ((100, 1, 1, 1.1, 0), 110),  # DeepSpeed's float32 product: 110 exactly (float64 gives 110.00000000000001)
+        ((100, 2, 1, 1.2, 0), 61),  # and float32(1.2) x 50 rounds up past 60 (float64 gives 60)
+    ],
+)
 def test_capacity(args, expected):
     assert capacity(*args) == expected
 
@@ -118,8 +121,10 @@ def test_top2_positions_offsets_and_renormalisation():
     p = softmax_rows(logits)
     ids = [[0, 1], [0, 2], [0, 1], [1, 0]]
     positions = [[0, 1], [1, 0], [-1, -1], [0, -1]]
-    gates = [[p[s][ids[s][0]] / (p[s][ids[s][0]] + p[s][ids[s][1]]),
-              p[s][ids[s][1]] / (p[s][ids[s][0]] + p[s][ids[s][1]])] for s in (0, 1)]
+    gates = [
+        [p[s][ids[s][0]] / (p[s][ids[s][0]] + p[s][ids[s][1]]), p[s][ids[s][1]] / (p[s][ids[s][0]] + p[s][ids[s][1]])]
+        for s in (0, 1)
+    ]
     gates += [[0.0, 0.0], [1.0, 0.0]]
     me = mean_gates(p)
     l_aux = 3 * (me[0] * 3 / 4 + me[1] * 1 / 4)
@@ -287,8 +292,14 @@ def test_matches_naive_reference(k, C):
 
 def test_router_eval_deterministic_and_fp32_logits():
     torch.manual_seed(0)
-    cfg = MoEConfig(topk=1, noisy_gate_policy="Jitter", train_capacity_factor=0.25,
-                    eval_capacity_factor=2.0, min_capacity=1, use_rts=True)
+    cfg = MoEConfig(
+        topk=1,
+        noisy_gate_policy="Jitter",
+        train_capacity_factor=0.25,
+        eval_capacity_factor=2.0,
+        min_capacity=1,
+        use_rts=True,
+    )
     router = Router(16, 4, cfg)
     x = torch.randn(32, 16).bfloat16()
     w = router.weight.detach().double()

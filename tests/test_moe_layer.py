@@ -18,12 +18,27 @@ H, FFN = 16, 32
 
 
 def make_layer(
-    num_experts: int, config: MoEConfig, ep_group=None, residual: bool = False, swiglu: bool = False, bias: bool = True,
+    num_experts: int,
+    config: MoEConfig,
+    ep_group=None,
+    residual: bool = False,
+    swiglu: bool = False,
+    bias: bool = True,
 ) -> MoELayer:
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(H, FFN), torch.nn.GELU(), torch.nn.Linear(FFN, H)) if residual else None
-    return MoELayer(H, FFN, num_experts, config, init_std=0.2, output_init_std=0.1, ep_group=ep_group, residual_mlp=mlp,
-                    swiglu=swiglu, bias=bias)
+    return MoELayer(
+        H,
+        FFN,
+        num_experts,
+        config,
+        init_std=0.2,
+        output_init_std=0.1,
+        ep_group=ep_group,
+        residual_mlp=mlp,
+        swiglu=swiglu,
+        bias=bias,
+    )
 
 
 def reference_expert(x_H: torch.Tensor, e: GroupedExperts, i: int) -> torch.Tensor:
@@ -51,15 +66,29 @@ def loop_reference(layer: MoELayer, x_BSH: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view_as(x_BSH)
 
 
-@pytest.mark.parametrize("k, drop, residual, drop_policy, swiglu, bias", [
-    (1, True, False, "probs", False, True), (2, True, False, "probs", False, True),
-    (3, False, False, "probs", False, True), (2, True, True, "probs", False, True),
-    (3, True, False, "probs", False, True), (3, True, False, "position", False, True),
-    (2, False, False, "probs", True, False), (1, True, False, "probs", True, True),
-])
+@pytest.mark.parametrize(
+    "k, drop, residual, drop_policy, swiglu, bias",
+    [
+        (1, True, False, "probs", False, True),
+        (2, True, False, "probs", False, True),
+        (3, False, False, "probs", False, True),
+        (2, True, True, "probs", False, True),
+        (3, True, False, "probs", False, True),
+        (3, True, False, "position", False, True),
+        (2, False, False, "probs", True, False),
+        (1, True, False, "probs", True, True),
+    ],
+)
 def test_sort_dispatch_equals_per_token_loop(k, drop, residual, drop_policy, swiglu, bias):
-    config = MoEConfig(topk=k, drop_tokens=drop, use_rts=False, sample_second_expert=False, min_capacity=1,
-                       use_residual=residual, drop_policy=drop_policy)
+    config = MoEConfig(
+        topk=k,
+        drop_tokens=drop,
+        use_rts=False,
+        sample_second_expert=False,
+        min_capacity=1,
+        use_residual=residual,
+        drop_policy=drop_policy,
+    )
     layer = make_layer(6, config, residual=residual, swiglu=swiglu, bias=bias)
     x = torch.randn(3, 10, H, requires_grad=True)
     grad = torch.randn(3, 10, H)
@@ -91,10 +120,17 @@ def test_looped_grouped_gemm_equals_grouped_mm():
     assert torch.count_nonzero(w.grad[1]) == 0
 
 
-@pytest.mark.parametrize("gather, onednn, swiglu, bias", [
-    (True, True, False, True), (False, True, False, True), (True, False, False, True),
-    (True, True, True, False), (False, False, True, True), (True, True, False, False),
-])
+@pytest.mark.parametrize(
+    "gather, onednn, swiglu, bias",
+    [
+        (True, True, False, True),
+        (False, True, False, True),
+        (True, False, False, True),
+        (True, True, True, False),
+        (False, False, True, True),
+        (True, True, False, False),
+    ],
+)
 def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn, swiglu, bias):
     """The CPU path (one expert at a time; rows gathered from tokens or given; oneDNN's GEMMs or
     torch's; GELU or SwiGLU; with biases or without) against the grouped GEMM of other devices
@@ -104,7 +140,9 @@ def test_cpu_expert_loop_equals_grouped_gemm(monkeypatch, gather, onednn, swiglu
         monkeypatch.setattr(experts, "onednn_linear_runs", lambda device_type, dtype: False)
     torch.manual_seed(0)
     layer = GroupedExperts(4, [0, 1, 2, 3], H, FFN, init_std=0.2, output_init_std=0.1, swiglu=swiglu, bias=bias)
-    assert layer.w1.shape == (4, H, 2 * FFN if swiglu else FFN) and (layer.b1 is None) == (layer.b2 is None) == (not bias)
+    assert layer.w1.shape == (4, H, 2 * FFN if swiglu else FFN) and (layer.b1 is None) == (layer.b2 is None) == (
+        not bias
+    )
     with torch.no_grad():
         for b in (layer.b1, layer.b2) if bias else ():
             b.normal_()
@@ -189,7 +227,9 @@ def test_layer_runs_under_bf16_autocast():
     assert out.dtype == torch.float32 and loss.dtype == torch.float32 and torch.isfinite(out).all()
 
 
-def _ep_versus_full(num_experts: int, ep_size: int, k: int, drop: bool, route_all_to_first: bool) -> dict[str, torch.Tensor]:
+def _ep_versus_full(
+    num_experts: int, ep_size: int, k: int, drop: bool, route_all_to_first: bool
+) -> dict[str, torch.Tensor]:
     """On every rank: the EP layer and a full EP=1 copy on this rank's own tokens."""
     grid = build_parallel_grid(torch.device("cpu"), ep_size=ep_size)
     config = MoEConfig(topk=k, drop_tokens=drop, use_rts=False, sample_second_expert=False, min_capacity=1)
@@ -224,8 +264,9 @@ def _ep_versus_full(num_experts: int, ep_size: int, k: int, drop: bool, route_al
 def test_expert_parallel_equals_single_rank(world, k, drop):
     for rank, result in enumerate(run_distributed(_ep_versus_full, world, 8, world, k, drop, False)):
         for name in ("out", "loss", "router_grad", "w1_grad", "b1_grad", "w2_grad", "b2_grad"):
-            torch.testing.assert_close(result[f"ep_{name}"], result[f"full_{name}"], rtol=1e-5, atol=1e-6,
-                                       msg=f"rank {rank}: {name}")
+            torch.testing.assert_close(
+                result[f"ep_{name}"], result[f"full_{name}"], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}"
+            )
 
 
 def test_ranks_whose_experts_receive_no_tokens_do_not_hang():

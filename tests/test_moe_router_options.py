@@ -43,8 +43,9 @@ def best(values, among, n):
     return sorted(among, key=lambda e: -values[e])[:n]
 
 
-def naive_route(row, k, score="softmax", pre_softmax=False, bias=None, groups=None, group_topk=None, scale=None,
-                norm=True):
+def naive_route(
+    row, k, score="softmax", pre_softmax=False, bias=None, groups=None, group_topk=None, scale=None, norm=True
+):
     """One token's {expert: gate} by Megatron-Core's topk_routing_with_score_function and group_limited_topk."""
     num_experts = len(row)
     if score == "softmax":
@@ -55,7 +56,9 @@ def naive_route(row, k, score="softmax", pre_softmax=False, bias=None, groups=No
     allowed = range(num_experts)
     if group_topk:
         size = num_experts // groups
-        group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:k // group_topk]) for g in range(groups)]
+        group_score = [
+            sum(sorted(choice[g * size : (g + 1) * size], reverse=True)[: k // group_topk]) for g in range(groups)
+        ]
         kept_groups = best(group_score, range(groups), group_topk)
         allowed = [e for e in range(num_experts) if e // size in kept_groups]
     chosen = best(choice, allowed, k)
@@ -107,9 +110,17 @@ CASES = [
 
 
 def config_for(k, score, pre_softmax=False, bias=None, groups=None, group_topk=None, scale=None, norm=True, **more):
-    return MoEConfig(topk=k, router_score_function=score, router_pre_softmax=pre_softmax,
-                     router_enable_expert_bias=bias is not None, router_num_groups=groups, router_group_topk=group_topk,
-                     router_topk_scaling_factor=scale, router_norm_topk_prob=norm, **more)
+    return MoEConfig(
+        topk=k,
+        router_score_function=score,
+        router_pre_softmax=pre_softmax,
+        router_enable_expert_bias=bias is not None,
+        router_num_groups=groups,
+        router_group_topk=group_topk,
+        router_topk_scaling_factor=scale,
+        router_norm_topk_prob=norm,
+        **more,
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k != "bias"))
@@ -123,7 +134,9 @@ def test_score_topk_follows_megatron_cores_formulas(case):
 
 
 def test_group_limited_routing_passes_over_a_lone_best_expert():
-    gates_SK, expert_SK = score_topk(torch.tensor(HAND_LOGITS[:1]), config_for(k=2, score="softmax", groups=4, group_topk=1), None)
+    gates_SK, expert_SK = score_topk(
+        torch.tensor(HAND_LOGITS[:1]), config_for(k=2, score="softmax", groups=4, group_topk=1), None
+    )
     assert expert_SK[0].tolist() == [2, 3]  # group {2, 3} scores 5.9, group {0, 1} only 0
     torch.testing.assert_close(gates_SK[0], torch.softmax(torch.tensor([3.0, 2.9]), 0))
     _, plain_SK = score_topk(torch.tensor(HAND_LOGITS[:1]), config_for(k=2, score="softmax"), None)
@@ -165,8 +178,9 @@ def test_capacity_applies_after_the_choice_without_renormalising(policy):
     torch.manual_seed(2)
     logits_SE = torch.randn(30, 4)
     logits_SE[:, 1] += 1.5  # expert 1 overfull
-    config = MoEConfig(topk=2, router_score_function="softmax", train_capacity_factor=0.5, min_capacity=1,
-                       drop_policy=policy)
+    config = MoEConfig(
+        topk=2, router_score_function="softmax", train_capacity_factor=0.5, min_capacity=1, drop_policy=policy
+    )
     router = Router(4, 4, config)
     with torch.no_grad():
         router.weight.copy_(torch.eye(4))
@@ -190,18 +204,23 @@ def test_capacity_applies_after_the_choice_without_renormalising(policy):
 def test_deepspeed_gating_is_untouched_without_the_new_flags():
     torch.manual_seed(3)
     x = torch.randn(40, H)
-    for config in (MoEConfig(topk=1, use_rts=False), MoEConfig(topk=2, sample_second_expert=False),
-                   MoEConfig(topk=3, drop_policy="position", train_capacity_factor=0.7)):
+    for config in (
+        MoEConfig(topk=1, use_rts=False),
+        MoEConfig(topk=2, sample_second_expert=False),
+        MoEConfig(topk=3, drop_policy="position", train_capacity_factor=0.7),
+    ):
         assert not config.megatron_core_routing
         router = Router(H, 8, config).eval()
         gating, logits = router(x)
-        expected = topk_gating(logits, config.topk, config.eval_capacity_factor, config.min_capacity,
-                               drop_policy=config.drop_policy)
+        expected = topk_gating(
+            logits, config.topk, config.eval_capacity_factor, config.min_capacity, drop_policy=config.drop_policy
+        )
         for ours, theirs in zip(gating, expected):
             assert torch.equal(ours, theirs)
 
 
 # ---------------------------------------------------------------- the Hugging Face routers
+
 
 def routed(router, x):
     gating, _ = router(x)
@@ -233,8 +252,10 @@ def test_qwen2_moe_router(k, norm):
     DeepSpeed's top-1 gating as well."""
     options = dict(router_score_function="softmax") if norm else dict(router_pre_softmax=True)
     router = our_router(8, topk=k, **options)
-    hf = with_weights(Qwen2MoeTopKRouter(Qwen2MoeConfig(hidden_size=H, num_experts=8, num_experts_per_tok=k,
-                                                           norm_topk_prob=norm)), router)
+    hf = with_weights(
+        Qwen2MoeTopKRouter(Qwen2MoeConfig(hidden_size=H, num_experts=8, num_experts_per_tok=k, norm_topk_prob=norm)),
+        router,
+    )
     x = torch.randn(64, H)
     assert_routes_equal(routed(router, x), hf_routes(hf, x))
     if k == 1:
@@ -244,7 +265,9 @@ def test_qwen2_moe_router(k, norm):
 @pytest.mark.parametrize("k", [2, 4])
 def test_mixtral_router(k):
     router = our_router(8, topk=k, router_score_function="softmax")
-    hf = with_weights(MixtralTopKRouter(MixtralConfig(hidden_size=H, num_local_experts=8, num_experts_per_tok=k)), router)
+    hf = with_weights(
+        MixtralTopKRouter(MixtralConfig(hidden_size=H, num_local_experts=8, num_experts_per_tok=k)), router
+    )
     x = torch.randn(64, H) * 3
     assert_routes_equal(routed(router, x), hf_routes(hf, x))
 
@@ -264,18 +287,33 @@ SIGMOID_ROUTERS = [
 @pytest.mark.parametrize("hf_class, config_class, k, n_group, topk_group, norm, scale", SIGMOID_ROUTERS)
 def test_glm4_moe_and_deepseek_v3_routers(hf_class, config_class, k, n_group, topk_group, norm, scale):
     groups = dict(router_num_groups=n_group, router_group_topk=topk_group) if n_group > 1 else {}
-    router = our_router(16, topk=k, router_score_function="sigmoid", router_enable_expert_bias=True,
-                        router_norm_topk_prob=norm, router_topk_scaling_factor=None if scale == 1.0 else scale, **groups)
+    router = our_router(
+        16,
+        topk=k,
+        router_score_function="sigmoid",
+        router_enable_expert_bias=True,
+        router_norm_topk_prob=norm,
+        router_topk_scaling_factor=None if scale == 1.0 else scale,
+        **groups,
+    )
     with torch.no_grad():
         router.expert_bias.copy_(torch.randn(16) * 0.05)
-    hf_config = config_class(hidden_size=H, n_routed_experts=16, num_experts_per_tok=k, n_group=n_group,
-                             topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=scale)
+    hf_config = config_class(
+        hidden_size=H,
+        n_routed_experts=16,
+        num_experts_per_tok=k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+    )
     hf = with_weights(hf_class(hf_config), router)
     x = torch.randn(64, H)
     assert_routes_equal(routed(router, x), hf_routes(hf, x))
 
 
 # ---------------------------------------------------------------- balancing losses
+
 
 def naive_switch_loss(rows, k):
     """Megatron-Core's switch_load_balancing_loss_func: E / (k T^2) sum_e (sum_t p_te) x (choices of e)."""
@@ -285,17 +323,20 @@ def naive_switch_loss(rows, k):
     for p in probs:
         for e in best(p, range(num_experts), k):
             counts[e] += 1
-    return num_experts / (k * num_tokens ** 2) * sum(sum(p[e] for p in probs) * counts[e] for e in range(num_experts))
+    return num_experts / (k * num_tokens**2) * sum(sum(p[e] for p in probs) * counts[e] for e in range(num_experts))
 
 
 def naive_sequence_loss(rows, k, num_sequences, score="softmax"):
     """Megatron-Core's sequence_load_balancing_loss_func, one sequence at a time."""
-    probs = [softmax(r) for r in rows] if score == "softmax" else [
-        [sigmoid(v) / (sum(map(sigmoid, r)) + 1e-20) for v in r] for r in rows]
+    probs = (
+        [softmax(r) for r in rows]
+        if score == "softmax"
+        else [[sigmoid(v) / (sum(map(sigmoid, r)) + 1e-20) for v in r] for r in rows]
+    )
     length, num_experts = len(rows) // num_sequences, len(rows[0])
     losses = []
     for b in range(num_sequences):
-        seq = probs[b * length:(b + 1) * length]
+        seq = probs[b * length : (b + 1) * length]
         counts = [0] * num_experts
         for p in seq:
             for e in best(p, range(num_experts), k):
@@ -337,8 +378,9 @@ def test_deepspeed_gating_with_seq_aux_loss_keeps_its_routes():
 
 
 def test_aux_loss_of_megatron_core_routing_is_its_switch_loss():
-    router = Router(H, 8, MoEConfig(topk=2, router_score_function="softmax", router_group_topk=1,
-                                    router_num_groups=4)).eval()
+    router = Router(
+        H, 8, MoEConfig(topk=2, router_score_function="softmax", router_group_topk=1, router_num_groups=4)
+    ).eval()
     with torch.no_grad():
         gating, logits = router(torch.randn(30, H))
     # counted over the unbiased, ungrouped top-k, whatever the groups chose
@@ -383,8 +425,13 @@ def test_expert_bias_is_a_saved_buffer_and_counts_training_forwards_only():
 
 
 def test_update_rule_moves_against_the_load_and_clears_the_counts():
-    model = torch.nn.ModuleDict({"a": Router(H, 4, MoEConfig(**BIASED)), "b": Router(H, 2, MoEConfig(**BIASED)),
-                                 "plain": Router(H, 4, MoEConfig(topk=2))})
+    model = torch.nn.ModuleDict(
+        {
+            "a": Router(H, 4, MoEConfig(**BIASED)),
+            "b": Router(H, 2, MoEConfig(**BIASED)),
+            "plain": Router(H, 4, MoEConfig(topk=2)),
+        }
+    )
     model["a"].local_tokens_per_expert.copy_(torch.tensor([5, 1, 3, 3]))
     model["b"].local_tokens_per_expert.copy_(torch.tensor([0, 4]))
     update_expert_biases(model, None, step_taken=True)
@@ -397,9 +444,16 @@ def test_update_rule_moves_against_the_load_and_clears_the_counts():
     assert int(model["a"].local_tokens_per_expert.sum()) == 0
 
 
-MOE = {"num_experts": 4, "num_layers": 2, "hidden_dropout": 0.0, "attention_dropout": 0.0, "topk": 2,
-       "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-       "moe_router_bias_update_rate": 0.01}
+MOE = {
+    "num_experts": 4,
+    "num_layers": 2,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+    "topk": 2,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 0.01,
+}
 
 
 @pytest.fixture(scope="module")
@@ -408,14 +462,16 @@ def corpus(tmp_path_factory) -> str:
 
 
 def _biases(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {name: buffer.clone() for name, buffer in trainer.engine.module.named_buffers() if name.endswith("expert_bias")}
+    return {
+        name: buffer.clone() for name, buffer in trainer.engine.module.named_buffers() if name.endswith("expert_bias")
+    }
 
 
 def test_expert_bias_moves_in_training_and_is_checkpointed(corpus, tmp_path):
     save = str(tmp_path / "ckpt")
     trainer = Trainer(tiny_config(corpus, train_iters=4, save=save, **MOE), SINGLE)
     trainer.train()
-    (name, bias), = _biases(trainer).items()
+    ((name, bias),) = _biases(trainer).items()
     assert name == "layers.1.mlp.router.expert_bias"
     steps = bias / 0.01
     assert bias.abs().sum() > 0 and torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4
@@ -430,6 +486,7 @@ def test_skipped_fp16_steps_leave_the_bias_alone(corpus, monkeypatch):
     def overflowing(engine, batch):
         loss, router_loss = real(engine, batch)
         return loss * float("inf"), router_loss
+
     monkeypatch.setattr(training_module, "lm_loss", overflowing)
     trainer = Trainer(tiny_config(corpus, train_iters=3, fp16=True, initial_loss_scale=256, **MOE), SINGLE)
     trainer.train()
@@ -442,8 +499,15 @@ def test_skipped_fp16_steps_leave_the_bias_alone(corpus, monkeypatch):
 
 def _train_biased(corpus: str, ep_size: int, train_iters: int) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"), ep_size=ep_size)
-    config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=train_iters, micro_batch_size=1, global_batch_size=4,
-                         moe_expert_parallel_size=ep_size, **MOE)
+    config = tiny_config(
+        corpus,
+        dp_size=grid.dp_size,
+        train_iters=train_iters,
+        micro_batch_size=1,
+        global_batch_size=4,
+        moe_expert_parallel_size=ep_size,
+        **MOE,
+    )
     trainer = Trainer(config, grid)
     result = trainer.train()
     out = {"losses": torch.tensor(result.losses, dtype=torch.float64), **_biases(trainer)}
@@ -467,19 +531,38 @@ def test_ep2_trains_exactly_like_ep1_with_the_expert_bias(corpus):
 
 # ---------------------------------------------------------------- refusals and flags
 
-@pytest.mark.parametrize("options, message", [
-    (dict(router_score_function="tanh"), "unknown --moe-router-score-function 'tanh'"),
-    (dict(router_load_balancing_type="sinkhorn"), "unknown --moe-router-load-balancing-type 'sinkhorn'"),
-    (dict(topk=2, router_score_function="sigmoid", router_pre_softmax=True), "--moe-router-pre-softmax applies to softmax"),
-    (dict(topk=2, router_norm_topk_prob=False), "--disable-moe-router-norm-topk-prob applies to --moe-router-score-function sigmoid"),
-    (dict(topk=2, router_pre_softmax=True, router_enable_expert_bias=True), "--moe-router-enable-expert-bias needs sigmoid"),
-    (dict(topk=2, router_score_function="sigmoid", router_group_topk=1), "add --moe-router-num-groups"),
-    (dict(topk=2, router_score_function="sigmoid", router_num_groups=2), "only with --moe-router-group-topk"),
-    (dict(topk=4, router_score_function="sigmoid", router_num_groups=2, router_group_topk=3), "exceeds --moe-router-num-groups 2"),
-    (dict(topk=3, router_score_function="sigmoid", router_num_groups=4, router_group_topk=2), "--topk 3 is not a multiple"),
-    (dict(topk=1, router_score_function="softmax"), "add --moe-router-pre-softmax"),
-    (dict(topk=1, router_pre_softmax=True, noisy_gate_policy="RSample"), "RSample is DeepSpeed's top-1 gate noise"),
-])
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(router_score_function="tanh"), "unknown --moe-router-score-function 'tanh'"),
+        (dict(router_load_balancing_type="sinkhorn"), "unknown --moe-router-load-balancing-type 'sinkhorn'"),
+        (
+            dict(topk=2, router_score_function="sigmoid", router_pre_softmax=True),
+            "--moe-router-pre-softmax applies to softmax",
+        ),
+        (
+            dict(topk=2, router_norm_topk_prob=False),
+            "--disable-moe-router-norm-topk-prob applies to --moe-router-score-function sigmoid",
+        ),
+        (
+            dict(topk=2, router_pre_softmax=True, router_enable_expert_bias=True),
+            "--moe-router-enable-expert-bias needs sigmoid",
+        ),
+        (dict(topk=2, router_score_function="sigmoid", router_group_topk=1), "add --moe-router-num-groups"),
+        (dict(topk=2, router_score_function="sigmoid", router_num_groups=2), "only with --moe-router-group-topk"),
+        (
+            dict(topk=4, router_score_function="sigmoid", router_num_groups=2, router_group_topk=3),
+            "exceeds --moe-router-num-groups 2",
+        ),
+        (
+            dict(topk=3, router_score_function="sigmoid", router_num_groups=4, router_group_topk=2),
+            "--topk 3 is not a multiple",
+        ),
+        (dict(topk=1, router_score_function="softmax"), "add --moe-router-pre-softmax"),
+        (dict(topk=1, router_pre_softmax=True, noisy_gate_policy="RSample"), "RSample is DeepSpeed's top-1 gate noise"),
+    ],
+)
 def test_invalid_combinations_stop_with_one_sentence(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         MoEConfig(**options)
@@ -500,16 +583,50 @@ def test_the_megatron_core_drop_policy_applies_to_any_k():
         MoEConfig(topk=2, drop_policy="position")
 
 
-BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 --lr 1e-3 "
-        "--data-path corpus --train-iters 10 --num-experts 8").split()
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--data-path",
+    "corpus",
+    "--train-iters",
+    "10",
+    "--num-experts",
+    "8",
+]
 
 
 def test_flags_parse_into_the_moe_config():
-    moe = parse_args(BASE + (
-        "--moe-router-topk 4 --moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2.5 "
-        "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.002 --moe-router-num-groups 4 "
-        "--moe-router-group-topk 2 --moe-router-load-balancing-type seq_aux_loss --disable-moe-router-norm-topk-prob"
-    ).split()).model.moe
+    moe = parse_args(
+        BASE
+        + [
+            "--moe-router-topk",
+            "4",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-topk-scaling-factor",
+            "2.5",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate",
+            "0.002",
+            "--moe-router-num-groups",
+            "4",
+            "--moe-router-group-topk",
+            "2",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--disable-moe-router-norm-topk-prob",
+        ]
+    ).model.moe
     assert (moe.topk, moe.router_score_function, moe.router_topk_scaling_factor) == (4, "sigmoid", 2.5)
     assert moe.router_enable_expert_bias and moe.router_bias_update_rate == 0.002
     assert (moe.router_num_groups, moe.router_group_topk) == (4, 2)
@@ -524,5 +641,16 @@ def test_flags_parse_into_the_moe_config():
 
 def test_flags_check_the_groups_against_every_layers_expert_count():
     with pytest.raises(ConfigError, match="--moe-router-num-groups 3 does not divide a layer's 8 experts"):
-        parse_args(BASE + "--topk 2 --moe-router-score-function sigmoid --moe-router-num-groups 3 "
-                          "--moe-router-group-topk 1".split())
+        parse_args(
+            BASE
+            + [
+                "--topk",
+                "2",
+                "--moe-router-score-function",
+                "sigmoid",
+                "--moe-router-num-groups",
+                "3",
+                "--moe-router-group-topk",
+                "1",
+            ]
+        )

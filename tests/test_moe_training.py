@@ -7,8 +7,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.checkpoint.tensors import ShardedReader
+from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
@@ -22,8 +22,18 @@ def corpus(tmp_path_factory) -> str:
 
 
 def test_moe_model_trains_and_reports_expert_load(corpus, tmp_path, capsys):
-    config = tiny_config(corpus, train_iters=40, eval_interval=40, eval_at_start=True, lr=1e-2, min_lr=1e-3,
-                         log_interval=10, tensorboard_dir=str(tmp_path / "tb"), topk=2, **MOE)
+    config = tiny_config(
+        corpus,
+        train_iters=40,
+        eval_interval=40,
+        eval_at_start=True,
+        lr=1e-2,
+        min_lr=1e-3,
+        log_interval=10,
+        tensorboard_dir=str(tmp_path / "tb"),
+        topk=2,
+        **MOE,
+    )
     trainer = Trainer(config, single_process_grid(torch.device("cpu")))
     assert trainer.model_config.experts_per_layer == [1, 4]
     result = trainer.train()
@@ -35,7 +45,8 @@ def test_moe_model_trains_and_reports_expert_load(corpus, tmp_path, capsys):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert {"moe loss", "moe/layer2/imbalance", "moe/layer2/dropped-fraction", "moe/layer2/router-entropy"} <= set(
-        events.Tags()["scalars"])
+        events.Tags()["scalars"]
+    )
     assert "moe/layer2/tokens-per-expert" in events.Tags()["histograms"]
     histogram = events.Histograms("moe/layer2/tokens-per-expert")[-1].histogram_value
     # 10 iterations x 4 samples x 16 tokens x top-2 choices per log interval
@@ -54,10 +65,21 @@ def test_flops_count_active_parameters_only():
     assert moe8.flops_per_token(16) - dense.flops_per_token(16) == 3 * 2 * 32 * 8  # top-1: one expert = one MLP
 
 
-def _train(corpus: str, ep_size: int, save: str | None, load: str | None, train_iters: int, overrides: dict) -> dict[str, torch.Tensor]:
+def _train(
+    corpus: str, ep_size: int, save: str | None, load: str | None, train_iters: int, overrides: dict
+) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"), ep_size=ep_size)
-    config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=train_iters, micro_batch_size=1, global_batch_size=4,
-                         moe_expert_parallel_size=ep_size, save=save, load=load, **{**MOE, **overrides})
+    config = tiny_config(
+        corpus,
+        dp_size=grid.dp_size,
+        train_iters=train_iters,
+        micro_batch_size=1,
+        global_batch_size=4,
+        moe_expert_parallel_size=ep_size,
+        save=save,
+        load=load,
+        **{**MOE, **overrides},
+    )
     trainer = Trainer(config, grid)
     start = trainer.iteration
     result = trainer.train()
@@ -72,7 +94,10 @@ def _train(corpus: str, ep_size: int, save: str | None, load: str | None, train_
 
 
 def test_ep2_trains_exactly_like_ep1_from_scratch(corpus):
-    ep1, ep2 = run_distributed(_train, 2, corpus, 1, None, None, 5, {}), run_distributed(_train, 2, corpus, 2, None, None, 5, {})
+    ep1, ep2 = (
+        run_distributed(_train, 2, corpus, 1, None, None, 5, {}),
+        run_distributed(_train, 2, corpus, 2, None, None, 5, {}),
+    )
     for rank in range(2):
         torch.testing.assert_close(ep2[rank]["losses"], ep1[rank]["losses"], rtol=1e-5, atol=1e-6)
         for name, value in ep2[rank].items():  # dense weights, and this rank's experts by global id
@@ -80,9 +105,17 @@ def test_ep2_trains_exactly_like_ep1_from_scratch(corpus):
 
 
 def test_ep2_equals_ep1_with_fine_grained_shared_and_swiglu_experts(corpus):
-    modern = {"moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True,
-              "normalization": "RMSNorm", "group_query_attention": True, "num_query_groups": 2,
-              "position_embedding_type": "rope", "swiglu": True, "disable_bias_linear": True}
+    modern = {
+        "moe_ffn_hidden_size": 16,
+        "moe_shared_expert_intermediate_size": 24,
+        "moe_shared_expert_gate": True,
+        "normalization": "RMSNorm",
+        "group_query_attention": True,
+        "num_query_groups": 2,
+        "position_embedding_type": "rope",
+        "swiglu": True,
+        "disable_bias_linear": True,
+    }
     ep1 = run_distributed(_train, 2, corpus, 1, None, None, 4, modern)
     ep2 = run_distributed(_train, 2, corpus, 2, None, None, 4, modern)
     assert "layers.1.mlp.shared_expert.gate.weight" in ep1[0] and "layers.1.mlp.experts.b1[0]" not in ep1[0]
@@ -115,9 +148,13 @@ def test_residual_pyramid_model_trains_saves_and_reloads_under_another_ep_size(c
     save = str(tmp_path / "ckpt")
     pyramid = {"num_layers": 4, "num_experts": [2, 4], "mlp_type": "residual"}
     first = run_distributed(_train, 2, corpus, 2, save, None, 4, pyramid)
-    assert "layers.3.mlp.coefficient.weight" in first[0] and "layers.3.mlp.residual_mlp.dense_h_to_4h.weight" in first[0]
+    assert (
+        "layers.3.mlp.coefficient.weight" in first[0] and "layers.3.mlp.residual_mlp.dense_h_to_4h.weight" in first[0]
+    )
     assert torch.isfinite(first[0]["losses"]).all()
     resumed = _train(corpus, 1, None, save, 6, pyramid)
     assert int(resumed["start"]) == 4 and len(resumed["losses"]) == 2
     reader = _saved_experts(Path(save) / "iter_0000004")
-    assert {k for k in reader.file_of if k.startswith("layers.1.mlp.experts.w2[")} == {f"layers.1.mlp.experts.w2[{g}]" for g in range(2)}
+    assert {k for k in reader.file_of if k.startswith("layers.1.mlp.experts.w2[")} == {
+        f"layers.1.mlp.experts.w2[{g}]" for g in range(2)
+    }

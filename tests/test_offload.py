@@ -46,7 +46,9 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp, self.out = nn.Linear(H, 4 * H), nn.Linear(4 * H, 1)
-        self.moe = MoELayer(4 * H, 2 * H, 4, ROUTING, init_std=0.1, output_init_std=0.05, ep_group=ep_group) if moe else None
+        self.moe = (
+            MoELayer(4 * H, 2 * H, 4, ROUTING, init_std=0.1, output_init_std=0.05, ep_group=ep_group) if moe else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
@@ -56,15 +58,26 @@ class Net(nn.Module):
 
 
 def make_engine(
-    grid: ParallelGrid, moe: bool, stage: int, offload: str, swap_dir: str, sub_group: int = 1024, params: str | None = None,
+    grid: ParallelGrid,
+    moe: bool,
+    stage: int,
+    offload: str,
+    swap_dir: str,
+    sub_group: int = 1024,
+    params: str | None = None,
 ) -> Engine:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group}
     if OFFLOADS[offload] is not None:
         zero["offload_optimizer"] = {**OFFLOADS[offload], "nvme_path": swap_dir}
     if params is not None:
         zero["offload_param"] = {**PARAM_OFFLOADS[params], "nvme_path": swap_dir}
-    config = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-              "gradient_clipping": 1.0, "zero_optimization": zero, "aio": {"block_size": 8192, "queue_depth": 4}}
+    config = {
+        "train_batch_size": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "aio": {"block_size": 8192, "queue_depth": 4},
+    }
     return initialize(Net(moe, grid.ep_group), config, grid)
 
 
@@ -173,8 +186,13 @@ def test_swapped_parameters_on_four_ranks_equal_in_memory_bit_for_bit(tmp_path):
 
 
 def single_engine(tmp_path: Path, **offload: object) -> Engine:
-    config = {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {
-        "device": "nvme", "nvme_path": str(tmp_path), **offload}}}
+    config = {
+        "train_batch_size": 2,
+        "zero_optimization": {
+            "stage": 1,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), **offload},
+        },
+    }
     return initialize(Net(False, None), config, single_process_grid(torch.device("cpu")))
 
 
@@ -203,11 +221,18 @@ def test_offload_errors_are_clear(tmp_path, monkeypatch):
         single_engine(tmp_path, nvme_path=None)
     own = Net(False, None)
     with pytest.raises(ConfigError, match="offload_optimizer to cpu needs the optimizer the config builds, but a SGD"):
-        initialize(own, {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-                   single_process_grid(torch.device("cpu")), optimizer=torch.optim.SGD(own.parameters(), lr=0.1))
+        initialize(
+            own,
+            {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+            single_process_grid(torch.device("cpu")),
+            optimizer=torch.optim.SGD(own.parameters(), lr=0.1),
+        )
     with pytest.raises(ConfigError, match="offload_optimizer needs ZeRO"):
-        initialize(Net(False, None), {"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-                   single_process_grid(torch.device("cpu")))
+        initialize(
+            Net(False, None),
+            {"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            single_process_grid(torch.device("cpu")),
+        )
     monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
     with pytest.raises(ConfigError, match=r"needs [\d,]+ bytes .* has 100 free"):
         single_engine(tmp_path)
@@ -224,10 +249,18 @@ def test_a_failed_swap_stops_training_with_a_clear_error(tmp_path):
 
 def swapping_engine(tmp_path: Path, **params: object) -> Engine:
     """One process, stage 3, the whole master in swap files unless `params` say otherwise."""
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
-            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, **params}}
-    config = {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-              "gradient_clipping": 1.0, "zero_optimization": zero}
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, **params},
+    }
+    config = {
+        "train_batch_size": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+    }
     return initialize(Net(True, None), config, single_process_grid(torch.device("cpu")))
 
 
@@ -246,6 +279,7 @@ def test_one_process_swaps_parameters_reads_them_ahead_and_holds_none_between_us
         slot = claim(swapper)
         in_use.append(len(swapper.slots) - len(swapper.free))
         return slot
+
     monkeypatch.setattr(type(engine.strategy.swapper), "claim", counting_claim)
     train(engine, 0, STEPS)
     assert max(in_use) == 2  # reads ahead of use, never more than buffer_count at once
@@ -257,13 +291,23 @@ def test_one_process_swaps_parameters_reads_them_ahead_and_holds_none_between_us
 def test_parameter_offload_errors_are_clear(tmp_path, monkeypatch):
     net, grid = Net(False, None), single_process_grid(torch.device("cpu"))
     with pytest.raises(ConfigError, match="offload_param needs zero_optimization.stage 3 .* got stage 2"):
-        initialize(net, {"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, grid)
-    with pytest.raises(ConfigError, match="offload_param to nvme needs offload_optimizer.device \"nvme\" too"):
-        initialize(net, {"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {
-            "device": "nvme", "nvme_path": str(tmp_path)}}}, grid)
+        initialize(
+            net, {"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, grid
+        )
+    with pytest.raises(ConfigError, match='offload_param to nvme needs offload_optimizer.device "nvme" too'):
+        initialize(
+            net,
+            {
+                "train_batch_size": 2,
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+            },
+            grid,
+        )
     with pytest.raises(ConfigError, match="needs zero_optimization.offload_param.nvme_path"):
         swapping_engine(tmp_path, nvme_path=None)
-    with pytest.raises(ConfigError, match="offload_param.buffer_size 100 is smaller than a parameter piece .* at least 3,072"):
+    with pytest.raises(
+        ConfigError, match="offload_param.buffer_size 100 is smaller than a parameter piece .* at least 3,072"
+    ):
         swapping_engine(tmp_path, buffer_size=100)
     monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
     with pytest.raises(ConfigError, match=r"needs [\d,]+ bytes for this rank's parameter partitions .* has 100 free"):
@@ -282,9 +326,19 @@ def _trainer_parameters(corpus: str, configs: dict[str, str], model: dict) -> di
     grid = build_parallel_grid(torch.device("cpu"))
     out: dict[str, torch.Tensor] = {}
     for label, ds_json in configs.items():
-        config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=4, micro_batch_size=1, global_batch_size=4,
-                             hidden_dropout=0.0, attention_dropout=0.0, checkpoint_activations=True,
-                             deepspeed=True, deepspeed_config=ds_json, **{"num_experts": 4, **model})
+        config = tiny_config(
+            corpus,
+            dp_size=grid.dp_size,
+            train_iters=4,
+            micro_batch_size=1,
+            global_batch_size=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            checkpoint_activations=True,
+            deepspeed=True,
+            deepspeed_config=ds_json,
+            **{"num_experts": 4, **model},
+        )
         trainer = Trainer(config, grid)
         trainer.train()
         with trainer.engine.whole_parameters():
@@ -299,8 +353,14 @@ def test_trainer_with_parameters_and_optimizer_on_nvme_equals_stage_3_in_memory(
     corpus = write_corpus(tmp_path)
     stage3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
     nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
-    configs = {"memory": stage3, "nvme": {**stage3, "offload_optimizer": {**nvme, "pipeline_read": True, "buffer_count": 2},
-                                          "offload_param": {**nvme, "max_in_cpu": 0}}}
+    configs = {
+        "memory": stage3,
+        "nvme": {
+            **stage3,
+            "offload_optimizer": {**nvme, "pipeline_read": True, "buffer_count": 2},
+            "offload_param": {**nvme, "max_in_cpu": 0},
+        },
+    }
     for label, zero in configs.items():
         (tmp_path / f"{label}.json").write_text(json.dumps({"zero_optimization": zero}))
     paths = {label: str(tmp_path / f"{label}.json") for label in configs}

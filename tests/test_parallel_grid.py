@@ -9,7 +9,12 @@ import torch.distributed as dist
 
 from megatron.errors import ConfigError
 from megatron.parallel import (
-    ParallelGrid, build_parallel_grid, launched_world_size, position_in, rank_layout, single_process_grid,
+    ParallelGrid,
+    build_parallel_grid,
+    launched_world_size,
+    position_in,
+    rank_layout,
+    single_process_grid,
 )
 from tests.dist_utils import run_distributed
 
@@ -60,8 +65,11 @@ def test_every_kind_of_group_partitions_the_world_once(world_size):
         assert all(len(set(a) & set(b)) <= 1 for a in layout.tp for b in layout.dp)
         # expert groups stay inside one pipeline stage
         stage = {rank: position_in(layout.pp, rank) for rank in range(world_size)}
-        assert all(len({stage[rank] for rank in ranks}) == 1
-                   for kind in ("expert_tp", "ep", "expert_dp") for ranks in getattr(layout, kind))
+        assert all(
+            len({stage[rank] for rank in ranks}) == 1
+            for kind in ("expert_tp", "ep", "expert_dp")
+            for ranks in getattr(layout, kind)
+        )
 
 
 def test_expert_tensor_parallel_is_fastest_then_ep_then_expert_dp():
@@ -83,8 +91,9 @@ def test_embedding_group_is_first_and_last_stage():
 def test_pipeline_neighbours_and_description():
     cpu = torch.device("cpu")
     # rank 5 of tp 2 x dp 2 x pp 2: tp rank 1, dp rank 0, last stage
-    last = ParallelGrid(8, 5, 2, 0, None, cpu, ep_size=2, ep_rank=1, expert_dp_size=2,
-                        tp_size=2, tp_rank=1, pp_size=2, pp_rank=1)
+    last = ParallelGrid(
+        8, 5, 2, 0, None, cpu, ep_size=2, ep_rank=1, expert_dp_size=2, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1
+    )
     assert (last.is_first_stage, last.is_last_stage, last.pp_prev_rank, last.pp_next_rank) == (False, True, 1, None)
     first = ParallelGrid(8, 1, 2, 0, None, cpu, tp_size=2, tp_rank=1, pp_size=2, pp_rank=0)
     assert (first.is_first_stage, first.is_last_stage, first.pp_prev_rank, first.pp_next_rank) == (True, False, None, 5)
@@ -94,15 +103,26 @@ def test_pipeline_neighbours_and_description():
     assert single.is_first_stage and single.is_last_stage and single.pp_prev_rank is single.pp_next_rank is None
 
 
-@pytest.mark.parametrize("world_size, sizes, message", [
-    (6, dict(tp_size=4), "--tensor-model-parallel-size 4 x --pipeline-model-parallel-size 1 does not divide the 6 ranks"),
-    (8, dict(tp_size=2, pp_size=3), "--pipeline-model-parallel-size 3 does not divide the 8 ranks"),
-    (8, dict(pp_size=2, ep_size=8), "--moe-expert-parallel-size 8 x --expert-tensor-parallel-size 1 does not divide "
-                                    "the 4 ranks of a pipeline stage"),
-    (8, dict(ep_size=2, expert_tp_size=3), "--expert-tensor-parallel-size 3 does not divide the 8 ranks"),
-    (4, dict(ep_size=3), "--moe-expert-parallel-size 3 x"),
-    (4, dict(tp_size=0), "--tensor-model-parallel-size 0 is not a parallel size"),
-])
+@pytest.mark.parametrize(
+    "world_size, sizes, message",
+    [
+        (
+            6,
+            dict(tp_size=4),
+            "--tensor-model-parallel-size 4 x --pipeline-model-parallel-size 1 does not divide the 6 ranks",
+        ),
+        (8, dict(tp_size=2, pp_size=3), "--pipeline-model-parallel-size 3 does not divide the 8 ranks"),
+        (
+            8,
+            dict(pp_size=2, ep_size=8),
+            "--moe-expert-parallel-size 8 x --expert-tensor-parallel-size 1 does not divide "
+            "the 4 ranks of a pipeline stage",
+        ),
+        (8, dict(ep_size=2, expert_tp_size=3), "--expert-tensor-parallel-size 3 does not divide the 8 ranks"),
+        (4, dict(ep_size=3), "--moe-expert-parallel-size 3 x"),
+        (4, dict(tp_size=0), "--tensor-model-parallel-size 0 is not a parallel size"),
+    ],
+)
 def test_sizes_that_do_not_tile_the_world_name_the_flag(world_size, sizes, message):
     with pytest.raises(ConfigError, match=message):
         rank_layout(world_size, **sizes)
@@ -139,9 +159,17 @@ def _group_sums() -> dict[str, torch.Tensor]:
                 dist.all_reduce(total, group=group)
             out[f"{name}.{kind}"] = total if group is not None else torch.tensor([-1.0])
             if kind != "embedding":
-                out[f"{name}.{kind}.place"] = torch.tensor([dist.get_rank(group), getattr(grid, f"{kind}_rank"),
-                                                            dist.get_world_size(group), getattr(grid, f"{kind}_size")])
-        out[f"{name}.neighbours"] = torch.tensor([-1 if r is None else r for r in (grid.pp_prev_rank, grid.pp_next_rank)])
+                out[f"{name}.{kind}.place"] = torch.tensor(
+                    [
+                        dist.get_rank(group),
+                        getattr(grid, f"{kind}_rank"),
+                        dist.get_world_size(group),
+                        getattr(grid, f"{kind}_size"),
+                    ]
+                )
+        out[f"{name}.neighbours"] = torch.tensor(
+            [-1 if r is None else r for r in (grid.pp_prev_rank, grid.pp_next_rank)]
+        )
         out[f"{name}.dp_group_is_world"] = torch.tensor(grid.dp_group is dist.group.WORLD)
     return out
 
@@ -160,8 +188,10 @@ def test_built_groups_reduce_over_the_expected_members():
                     assert result[f"{name}.{kind}.place"].tolist() == [place, place, len(members), len(members)]
             pp_members = next(ranks for ranks in layout.pp if rank in ranks)
             stage = pp_members.index(rank)
-            neighbours = [pp_members[stage - 1] if stage > 0 else -1,
-                          pp_members[stage + 1] if stage + 1 < len(pp_members) else -1]
+            neighbours = [
+                pp_members[stage - 1] if stage > 0 else -1,
+                pp_members[stage + 1] if stage + 1 < len(pp_members) else -1,
+            ]
             assert result[f"{name}.neighbours"].tolist() == neighbours, (name, rank)
             assert result[f"{name}.dp_group_is_world"].item() == (len(layout.dp) == 1), (name, rank)
     # the ep-only grid is exactly today's: dp over the world, ep = rank % 2, expert-dp = rank // 2

@@ -31,8 +31,19 @@ def _runs(world: int, folder: str) -> list[tuple[str, str, dict[str, object]]]:
             ("offload/zero1", "classic", offload(folder, "cpu")),
         ]
     return [
-        *((f"tp2/zero{stage}", "modern", {**ARCHITECTURES["modern"], "tensor_model_parallel_size": 2,
-                                           "sequence_parallel": True, "zero_stage": stage}) for stage in (1, 3)),
+        *(
+            (
+                f"tp2/zero{stage}",
+                "modern",
+                {
+                    **ARCHITECTURES["modern"],
+                    "tensor_model_parallel_size": 2,
+                    "sequence_parallel": True,
+                    "zero_stage": stage,
+                },
+            )
+            for stage in (1, 3)
+        ),
         ("dp2/zero1", "classic", {"zero_stage": 1}),
         # stages 2 and 3 reduce during backward: with untied embeddings only (nothing to sum between stages)
         ("dp2/zero2", "modern", {**ARCHITECTURES["modern"], "zero_stage": 2}),
@@ -40,12 +51,21 @@ def _runs(world: int, folder: str) -> list[tuple[str, str, dict[str, object]]]:
         ("ep2/zero1", "moe", {**ARCHITECTURES["moe"], "moe_expert_parallel_size": 2, "zero_stage": 1}),
         ("ep2/zero3", "modern_moe", {**ARCHITECTURES["modern_moe"], "moe_expert_parallel_size": 2, "zero_stage": 3}),
         ("tp2ep2/zero1", "moe", TP2_EP2),
-        ("dp2etp2/zero3", "modern_moe", {**ARCHITECTURES["modern_moe"], "expert_tensor_parallel_size": 2, "zero_stage": 3}),
+        (
+            "dp2etp2/zero3",
+            "modern_moe",
+            {**ARCHITECTURES["modern_moe"], "expert_tensor_parallel_size": 2, "zero_stage": 3},
+        ),
     ]
 
 
-TP2_EP2 = {**ARCHITECTURES["moe"], "tensor_model_parallel_size": 2, "sequence_parallel": True,
-           "moe_expert_parallel_size": 2, "zero_stage": 1}
+TP2_EP2 = {
+    **ARCHITECTURES["moe"],
+    "tensor_model_parallel_size": 2,
+    "sequence_parallel": True,
+    "moe_expert_parallel_size": 2,
+    "zero_stage": 1,
+}
 
 
 def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
@@ -53,8 +73,13 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     out = {}
     for key, _, flags in _runs(world, folder):
         tp = int(flags.get("tensor_model_parallel_size", 1))
-        grid = build_parallel_grid(torch.device("cpu"), tp_size=tp, pp_size=2, ep_size=int(flags.get("moe_expert_parallel_size", 1)),
-                                   expert_tp_size=int(flags.get("expert_tensor_parallel_size", 1)))
+        grid = build_parallel_grid(
+            torch.device("cpu"),
+            tp_size=tp,
+            pp_size=2,
+            ep_size=int(flags.get("moe_expert_parallel_size", 1)),
+            expert_tp_size=int(flags.get("expert_tensor_parallel_size", 1)),
+        )
         result = _train(corpus, grid.dp_size, grid, pipeline_model_parallel_size=2, **flags)
         out.update({f"{key}/{name}": value for name, value in result.items()})
     if world == 2:  # tied embeddings need their gradients summed over the stages before stage 2 reduces them
@@ -65,12 +90,21 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     if world == 2:
         grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
         _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=1, save=f"{folder}/pp2", save_interval=5)
-        result = _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=0, load=f"{folder}/serial", ckpt_step=5)
+        result = _train(
+            corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=0, load=f"{folder}/serial", ckpt_step=5
+        )
     else:  # TP=2 x PP=2 x EP=2
         grid = build_parallel_grid(torch.device("cpu"), tp_size=2, pp_size=2, ep_size=2)
         _train(corpus, 1, grid, pipeline_model_parallel_size=2, save=f"{folder}/tp2pp2ep2", save_interval=5, **TP2_EP2)
-        result = _train(corpus, 1, grid, pipeline_model_parallel_size=2, load=f"{folder}/serial_moe", ckpt_step=5,
-                        **{**TP2_EP2, "zero_stage": 0})
+        result = _train(
+            corpus,
+            1,
+            grid,
+            pipeline_model_parallel_size=2,
+            load=f"{folder}/serial_moe",
+            ckpt_step=5,
+            **{**TP2_EP2, "zero_stage": 0},
+        )
     out.update({f"resumed/{name}": value for name, value in result.items()})
     return out
 
@@ -93,7 +127,9 @@ def serial(corpus, folder) -> dict[str, dict[str, torch.Tensor]]:
     runs = {arch: _train(corpus, 1, grid, **flags) for arch, flags in ARCHITECTURES.items()}
     runs["uneven"] = _train(corpus, 1, grid, **FOUR_LAYERS)
     assert_same(_train(corpus, 1, grid, save=f"{folder}/serial", save_interval=5), runs["classic"])
-    assert_same(_train(corpus, 1, grid, save=f"{folder}/serial_moe", save_interval=5, **ARCHITECTURES["moe"]), runs["moe"])
+    assert_same(
+        _train(corpus, 1, grid, save=f"{folder}/serial_moe", save_interval=5, **ARCHITECTURES["moe"]), runs["moe"]
+    )
     return runs
 
 
@@ -103,7 +139,7 @@ def _stage_parameters(results: list[dict[str, torch.Tensor]], key: str) -> dict[
     for result in results:
         for name, value in result.items():
             if name.startswith(key + "/") and not name.endswith("/losses"):
-                found.setdefault(name[len(key) + 1:], []).append(value)
+                found.setdefault(name[len(key) + 1 :], []).append(value)
     return found
 
 
@@ -121,23 +157,38 @@ def test_pipeline_parallel_training_equals_one_process(corpus, serial, folder, w
         for name, values in found.items():
             for value in values:
                 torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-6, msg=f"{key}/{name}")
-    layout, saved, reference, flags = ("PP=2", "pp2", "classic", {}) if world == 2 else (
-        "TP=2 x PP=2 x EP=2", "tp2pp2ep2", "moe", ARCHITECTURES["moe"])
+    layout, saved, reference, flags = (
+        ("PP=2", "pp2", "classic", {})
+        if world == 2
+        else ("TP=2 x PP=2 x EP=2", "tp2pp2ep2", "moe", ARCHITECTURES["moe"])
+    )
     for name, values in _stage_parameters(results, "resumed").items():
         for value in values:
-            torch.testing.assert_close(value, serial[reference][name], rtol=1e-5, atol=2e-6,
-                                       msg=f"{layout} resumed from one process: {name}")
+            torch.testing.assert_close(
+                value, serial[reference][name], rtol=1e-5, atol=2e-6, msg=f"{layout} resumed from one process: {name}"
+            )
     torch.testing.assert_close(results[0]["resumed/losses"], serial[reference]["losses"][5:], rtol=1e-5, atol=0)
     grid = single_process_grid(torch.device("cpu"))
-    assert_same(_train(corpus, 1, grid, zero_stage=3, load=f"{folder}/{saved}", ckpt_step=5, **flags), serial[reference],
-                f"one process at stage 3 resumed from {layout}: ")
+    assert_same(
+        _train(corpus, 1, grid, zero_stage=3, load=f"{folder}/{saved}", ckpt_step=5, **flags),
+        serial[reference],
+        f"one process at stage 3 resumed from {layout}: ",
+    )
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"pipeline_model_parallel_size": 2, "num_layers": 3}, "--num-layers 3 cannot be split over --pipeline-model-parallel-size 2"),
-    ({"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 2},
-     "--num-layers 2 cannot be split over --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            {"pipeline_model_parallel_size": 2, "num_layers": 3},
+            "--num-layers 3 cannot be split over --pipeline-model-parallel-size 2",
+        ),
+        (
+            {"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 2},
+            "--num-layers 2 cannot be split over --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2",
+        ),
+    ],
+)
 def test_layer_splits_that_do_not_fit_stop_with_one_sentence(corpus, flags, message) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(corpus, **flags)
@@ -146,12 +197,23 @@ def test_layer_splits_that_do_not_fit_stop_with_one_sentence(corpus, flags, mess
 def _moe_layers_reported(corpus: str) -> dict[str, torch.Tensor]:
     """The MoE log's layers after one step at PP=2 with MoE layers 2 (stage 0) and 4 (stage 1)."""
     grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
-    trainer = Trainer(tiny_config(corpus, num_layers=4, num_experts=[4], pipeline_model_parallel_size=2, lr_warmup_iters=0,
-                                  disable_moe_token_dropping=True), grid)
+    trainer = Trainer(
+        tiny_config(
+            corpus,
+            num_layers=4,
+            num_experts=[4],
+            pipeline_model_parallel_size=2,
+            lr_warmup_iters=0,
+            disable_moe_token_dropping=True,
+        ),
+        grid,
+    )
     trainer.train_step(trainer.loader(trainer.train_data, 0))
     loads = trainer.moe_monitor.report(grid.stage_group, grid.pp_group)
-    return {"layers": torch.tensor([load.layer for load in loads]),
-            "routed": torch.tensor([sum(load.tokens_per_expert) for load in loads])}
+    return {
+        "layers": torch.tensor([load.layer for load in loads]),
+        "routed": torch.tensor([sum(load.tokens_per_expert) for load in loads]),
+    }
 
 
 def test_the_moe_log_shows_every_stages_layers(corpus) -> None:

@@ -33,8 +33,14 @@ def printed_run(recipe: str, tmp_path: Path, **env: str):
     demo.mkdir(exist_ok=True)
     for name in ("corpus_text_document.idx", "tokenizer.model"):  # the tiny recipes check these exist
         (demo / name).write_text("x")
-    full_env = {**os.environ, "DRY_RUN": "1", "PYTHON": "echo", "OUTPUT_DIR": str(tmp_path / "out"),
-                "DEMO_DIR": str(demo), **env}
+    full_env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "PYTHON": "echo",
+        "OUTPUT_DIR": str(tmp_path / "out"),
+        "DEMO_DIR": str(demo),
+        **env,
+    }
     done = subprocess.run(["bash", str(RECIPES / recipe)], env=full_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     header, command = done.stdout.strip().splitlines()
@@ -52,12 +58,22 @@ def test_paper_recipes_carry_the_published_settings(recipe, tmp_path):
     world, config, ds = printed_run(recipe, tmp_path, NNODES="8", GPUS_PER_NODE="8")
     layers, hidden, batch, experts = PAPER[recipe]
     m, t = config.model, config.training
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, t.seq_length) == (layers, hidden, 16 if hidden > 768 else 12, 2048)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, t.seq_length) == (
+        layers,
+        hidden,
+        16 if hidden > 768 else 12,
+        2048,
+    )
     assert [c for c in m.experts_per_layer if c > 1] == [c for c in experts if c > 1]
     assert m.mlp_type == ("residual" if "PR-MoE" in recipe else "standard") and m.moe.topk == 1
     assert (m.moe.train_capacity_factor, m.moe.min_capacity, m.moe.aux_loss_coeff) == (1.0, 4, 0.01)
     r = config.runtime_config(world)
-    assert (r.optimizer.params.betas, r.optimizer.params.weight_decay, r.gradient_clipping, r.precision) == ((0.9, 0.95), 0.1, 1.0, "fp16")
+    assert (r.optimizer.params.betas, r.optimizer.params.weight_decay, r.gradient_clipping, r.precision) == (
+        (0.9, 0.95),
+        0.1,
+        1.0,
+        "fp16",
+    )
     assert (t.global_batch_size, t.lr_warmup_tokens, t.lr_decay_tokens) == (batch, 375_000_000, 300_000_000_000)
     assert t.train_iters == math.ceil(300e9 / (batch * 2048)) and t.lr_decay_style == "cosine"
     assert ds["train_batch_size"] == batch and ds["fp16"]["enabled"] is True and ds["bf16"]["enabled"] is False
@@ -84,7 +100,9 @@ def test_mos_recipes_distil_from_their_pr_moe_teacher_with_staged_kd(tmp_path):
 def test_tiny_cpu_recipes_run_on_one_process_with_the_demo_data(recipe, tmp_path):
     world, config, ds = printed_run(recipe, tmp_path)
     assert world == 1 and config.runtime_config(1).precision == "fp32" and ds["zero_optimization"]["stage"] == 0
-    assert config.data.tokenizer_type == "SentencePieceTokenizer" and config.data.data_path[0].endswith("corpus_text_document")
+    assert config.data.tokenizer_type == "SentencePieceTokenizer" and config.data.data_path[0].endswith(
+        "corpus_text_document"
+    )
     assert config.model.is_moe == ("dense" not in recipe) and (config.distill is not None) == ("MoS" in recipe)
     with_data_parallel_size(config, world)
 
@@ -105,7 +123,9 @@ def test_every_recipe_sources_the_one_settings_file():
     for script in scripts:
         text = script.read_text()
         assert 'source "$(dirname "$0")/recipe_settings.sh"' in text and "run_recipe " in text
-        assert len(text.splitlines()) < 15, f"{script.name} should hold its model only; shared settings go in recipe_settings.sh"
+        assert len(text.splitlines()) < 15, (
+            f"{script.name} should hold its model only; shared settings go in recipe_settings.sh"
+        )
 
 
 def test_offload_setting_writes_the_offload_blocks_the_runtime_accepts(tmp_path):
@@ -120,7 +140,18 @@ def test_offload_setting_writes_the_offload_blocks_the_runtime_accepts(tmp_path)
     _, config, _ = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path)  # tiny recipes: no ZeRO unless asked
     zero = config.runtime_config(1).zero_optimization
     assert zero.stage == 0 and zero.offload_optimizer.device == "none"
-    done = subprocess.run(["bash", str(RECIPES / "ds_pretrain_gpt_tiny_MoE_cpu.sh")], capture_output=True, text=True,
-                          env={**os.environ, "DRY_RUN": "1", "PYTHON": "echo", "OUTPUT_DIR": str(tmp_path / "out"),
-                               "DEMO_DIR": str(tmp_path / "demo"), "OFFLOAD": "disk"}, timeout=60)
+    done = subprocess.run(
+        ["bash", str(RECIPES / "ds_pretrain_gpt_tiny_MoE_cpu.sh")],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "DRY_RUN": "1",
+            "PYTHON": "echo",
+            "OUTPUT_DIR": str(tmp_path / "out"),
+            "DEMO_DIR": str(tmp_path / "demo"),
+            "OFFLOAD": "disk",
+        },
+        timeout=60,
+    )
     assert done.returncode != 0 and "OFFLOAD=disk; use none, cpu or nvme" in done.stderr

@@ -19,8 +19,13 @@ from tests.training_fixtures import tiny_flags, write_corpus
 SINGLE = single_process_grid(torch.device("cpu"))
 TOKENS = 4 * 16  # global batch x sequence length: the annealing schedule counts tokens
 MAX_LR, MIN_LR, WARMUP = 3e-3, 3e-4, 2  # tiny_flags' --lr, --min-lr, --lr-warmup-iters (cosine decay)
-DECAY_LR = {"total_num_steps": 12, "warmup_min_lr": 0.0, "warmup_max_lr": MAX_LR, "warmup_num_steps": WARMUP,
-            "warmup_type": "linear"}
+DECAY_LR = {
+    "total_num_steps": 12,
+    "warmup_min_lr": 0.0,
+    "warmup_max_lr": MAX_LR,
+    "warmup_num_steps": WARMUP,
+    "warmup_type": "linear",
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def deepspeed_flags(corpus: str, folder: Path, **overrides: object) -> list[str]
     flags = tiny_flags(corpus, **overrides)
     for flag in ("--lr-warmup-iters", "--lr-decay-style", "--min-lr"):
         index = flags.index(flag)
-        del flags[index:index + 2]
+        del flags[index : index + 2]
     return flags + ["--deepspeed", "--deepspeed_config", str(config)]
 
 
@@ -83,12 +88,17 @@ DEEPSPEED = Source("DeepSpeed's WarmupDecayLR (config scheduler block)", warmup_
 
 @pytest.mark.parametrize("saved_with,resumed_with", [(DEEPSPEED, ANNEALING), (ANNEALING, DEEPSPEED)])
 def test_resume_under_the_other_kind_of_schedule_continues_at_the_step_count(
-    corpus: str, tmp_path: Path, capsys, saved_with: Source, resumed_with: Source,
+    corpus: str,
+    tmp_path: Path,
+    capsys,
+    saved_with: Source,
+    resumed_with: Source,
 ) -> None:
     def flags(source: Source, **overrides: object) -> list[str]:
         if source.deepspeed:
             return deepspeed_flags(corpus, tmp_path, **overrides)
         return tiny_flags(corpus, lr_decay_iters=12, **overrides)
+
     save = str(tmp_path / "ckpt")
     saved = train(flags(saved_with, train_iters=6, save=save, save_interval=6))
     assert saved == pytest.approx([saved_with.lr(k) for k in range(6)], abs=1e-12)
@@ -98,7 +108,8 @@ def test_resume_under_the_other_kind_of_schedule_continues_at_the_step_count(
     assert resume_lines(capsys) == [
         f"resuming: the LR schedule changed kind from {saved_with.name} in the checkpoint to {resumed_with.name}, "
         "which continues after the checkpoint's 6 optimizer steps; "
-        f"the LR jumps from {saved_with.lr(6):.2e} to {resumed_with.lr(6):.2e}"]
+        f"the LR jumps from {saved_with.lr(6):.2e} to {resumed_with.lr(6):.2e}"
+    ]
 
 
 def test_longer_training_says_the_decay_stretched_and_the_hint_keeps_it(corpus: str, tmp_path: Path, capsys) -> None:
@@ -109,6 +120,7 @@ def test_longer_training_says_the_decay_stretched_and_the_hint_keeps_it(corpus: 
     assert stretched == pytest.approx([annealing_lr(k, 8) for k in (6, 7)], abs=1e-12)
     assert resume_lines(capsys) == [
         "resuming: the LR schedule's decay length changed from 6 to 8 iterations (checkpoint -> flags); "
-        f"the LR jumps from {MIN_LR:.2e} to {annealing_lr(6, 8):.2e}; pass --lr-decay-iters 6 to keep the checkpoint's"]
+        f"the LR jumps from {MIN_LR:.2e} to {annealing_lr(6, 8):.2e}; pass --lr-decay-iters 6 to keep the checkpoint's"
+    ]
     kept = train(tiny_flags(corpus, train_iters=8, lr_decay_iters=6, load=save))
     assert kept == pytest.approx([MIN_LR, MIN_LR], abs=1e-12) and resume_lines(capsys) == []

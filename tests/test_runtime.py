@@ -92,12 +92,22 @@ def test_bf16_skips_a_step_with_non_finite_gradients_and_says_so(capsys):
     engine.step()
     assert engine.last_step_skipped and engine.consecutive_skipped_steps == 1
     assert engine.last_nonfinite.loss_ranks == [0] and engine.last_nonfinite.grad_ranks == [0]
-    assert ("step 1: the loss is not finite on rank 0 and the gradient norm is not finite on rank 0; skipping"
-            in capsys.readouterr().out)
+    assert (
+        "step 1: the loss is not finite on rank 0 and the gradient norm is not finite on rank 0; skipping"
+        in capsys.readouterr().out
+    )
 
 
-def lamb_reference(param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float],
-                   eps: float, weight_decay: float, max_coeff: float, min_coeff: float) -> torch.Tensor:
+def lamb_reference(
+    param: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    max_coeff: float,
+    min_coeff: float,
+) -> torch.Tensor:
     """LAMB written out step by step, as DeepSpeed's FusedLamb computes it."""
     w, m, v = param.clone().double(), torch.zeros_like(param).double(), torch.zeros_like(param).double()
     for t, g in enumerate(grads, start=1):
@@ -117,23 +127,39 @@ def test_lamb_follows_its_formula_and_is_built_from_the_config():
         param = torch.nn.Parameter(torch.randn(5, 4) * scale)
         start = param.detach().clone()
         grads = [torch.randn(5, 4) for _ in range(4)]
-        optimizer = initialize(torch.nn.Linear(1, 1), {"train_batch_size": 1, "optimizer": {
-            "type": "Lamb", "params": {**settings, "betas": list(settings["betas"])}}}, SINGLE,
-            model_parameters=[{"params": [param]}]).optimizer
+        optimizer = initialize(
+            torch.nn.Linear(1, 1),
+            {
+                "train_batch_size": 1,
+                "optimizer": {"type": "Lamb", "params": {**settings, "betas": list(settings["betas"])}},
+            },
+            SINGLE,
+            model_parameters=[{"params": [param]}],
+        ).optimizer
         for grad in grads:
             param.grad = grad
             optimizer.step()
         torch.testing.assert_close(param.detach(), lamb_reference(start, grads, **settings), rtol=1e-5, atol=1e-7)
     with pytest.raises(ConfigError, match="Lamb needs whole tensors .* zero_optimization.stage 0"):
-        initialize(small_model(), {"train_batch_size": 1, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}, SINGLE)
+        initialize(
+            small_model(),
+            {"train_batch_size": 1, "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}},
+            SINGLE,
+        )
     with pytest.raises(ConfigError, match="unknown key 'optimizer.params.max_grad_nrm'"):
-        initialize(small_model(), {"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"max_grad_nrm": 1}}}, SINGLE)
+        initialize(
+            small_model(), {"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"max_grad_nrm": 1}}}, SINGLE
+        )
 
 
 def test_model_parameters_choose_what_the_built_optimizer_updates():
     model = small_model()
-    engine = initialize(model, {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.1}}}, SINGLE,
-                        model_parameters=model[2].parameters())
+    engine = initialize(
+        model,
+        {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.1}}},
+        SINGLE,
+        model_parameters=model[2].parameters(),
+    )
     # as DeepSpeed builds it: the parameters given are one group, all decayed (bias too)
     assert [(len(g["params"]), g["weight_decay"]) for g in engine.optimizer.param_groups] == [(2, 0.1)]
     engine.backward(engine(torch.randn(1, 8)).sum())
@@ -141,23 +167,37 @@ def test_model_parameters_choose_what_the_built_optimizer_updates():
     engine.step()
     torch.testing.assert_close(model[0].weight.detach(), first_layer)
     with pytest.raises(ConfigError, match="an optimizer or model_parameters"):
-        initialize(model, {"train_batch_size": 1}, SINGLE, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                   model_parameters=model.parameters())
+        initialize(
+            model,
+            {"train_batch_size": 1},
+            SINGLE,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            model_parameters=model.parameters(),
+        )
 
 
 def test_parameter_groups_given_are_kept_as_given():
     """DeepSpeed hands the caller's groups to the optimizer unchanged: their own learning rates and
     weight decay, in their order; the config's values fill only what a group leaves out."""
     model = small_model()
-    groups = [{"params": [model[0].bias, model[2].weight], "weight_decay": 0.0, "lr": 0.5},
-              {"params": [model[0].weight]}, {"params": [model[2].bias], "lr": 0.25}]
-    engine = initialize(model, {"train_batch_size": 1, "optimizer": {"params": {"lr": 0.1, "weight_decay": 0.01}}},
-                        SINGLE, model_parameters=groups)
+    groups = [
+        {"params": [model[0].bias, model[2].weight], "weight_decay": 0.0, "lr": 0.5},
+        {"params": [model[0].weight]},
+        {"params": [model[2].bias], "lr": 0.25},
+    ]
+    engine = initialize(
+        model,
+        {"train_batch_size": 1, "optimizer": {"params": {"lr": 0.1, "weight_decay": 0.01}}},
+        SINGLE,
+        model_parameters=groups,
+    )
     kept = engine.optimizer.param_groups
     assert [[id(p) for p in g["params"]] for g in kept] == [[id(p) for p in g["params"]] for g in groups]
     assert [g["weight_decay"] for g in kept] == [0.0, 0.01, 0.01]
     assert engine.get_lr() == [0.5, 0.1, 0.25]
-    default = initialize(small_model(), {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.01}}}, SINGLE)
+    default = initialize(
+        small_model(), {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": 0.01}}}, SINGLE
+    )
     # without model_parameters the toolkit's own grouping: matrices decayed, biases not
     assert [(len(g["params"]), g["weight_decay"]) for g in default.optimizer.param_groups] == [(2, 0.01), (2, 0.0)]
 
@@ -165,8 +205,12 @@ def test_parameter_groups_given_are_kept_as_given():
 def test_engine_prints_progress_with_timings_and_writes_tensorboard(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = {"train_batch_size": 2, "steps_per_print": 2, "wall_clock_breakdown": True,
-              "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
+    config = {
+        "train_batch_size": 2,
+        "steps_per_print": 2,
+        "wall_clock_breakdown": True,
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"},
+    }
     engine = initialize(small_model(), config, SINGLE)
     losses = []
     for _ in range(4):
@@ -242,11 +286,18 @@ def test_unknown_runtime_key_suggests_the_nearest():
 
 
 def test_config_scheduler_drives_the_learning_rate():
-    engine = initialize(small_model(), {
-        "train_batch_size": 2, "optimizer": {"params": {"lr": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
-                                                      "warmup_num_steps": 4, "warmup_type": "linear"}},
-    }, SINGLE)
+    engine = initialize(
+        small_model(),
+        {
+            "train_batch_size": 2,
+            "optimizer": {"params": {"lr": 0.1}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 4, "warmup_type": "linear"},
+            },
+        },
+        SINGLE,
+    )
     seen = []
     for _ in range(6):
         seen.append(engine.get_lr()[0])
@@ -261,17 +312,25 @@ def test_unknown_scheduler_and_bad_zero_settings_are_clear_errors():
         initialize(small_model(), {"train_batch_size": 2, "scheduler": {"type": "WarmupCosine"}}, SINGLE)
     with pytest.raises(ConfigError, match="zero_optimization.stage.*should be 0, 1, 2 or 3"):
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 4}}, dp_size=1)
-    with pytest.raises(ConfigError, match="bad value 0 for 'zero_optimization.offload_param.buffer_count' .* greater than or equal to 1"):
-        load_runtime_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"buffer_count": 0}}}, 1)
+    with pytest.raises(
+        ConfigError,
+        match="bad value 0 for 'zero_optimization.offload_param.buffer_count' .* greater than or equal to 1",
+    ):
+        load_runtime_config(
+            {"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {"buffer_count": 0}}}, 1
+        )
     with pytest.raises(ConfigError, match="unknown key 'aio.queue_dept'.*'queue_depth'"):
         load_runtime_config({"train_batch_size": 2, "aio": {"queue_dept": 4}}, dp_size=1)
-    with pytest.raises(ConfigError, match="bad value .* for 'zero_optimization.reduce_bucket_size' .* greater than or equal to 1"):
+    with pytest.raises(
+        ConfigError, match="bad value .* for 'zero_optimization.reduce_bucket_size' .* greater than or equal to 1"
+    ):
         load_runtime_config({"train_batch_size": 2, "zero_optimization": {"reduce_bucket_size": 0}}, dp_size=1)
 
 
 def test_resumed_optimizer_settings_that_the_checkpoint_replaces_are_named(tmp_path, capsys):
     """As in DeepSpeed and Megatron, the checkpoint's optimizer keeps its own settings; a changed
     weight decay or beta is then named in one line instead of vanishing silently."""
+
     def engine(weight_decay: float, beta2: float, schedule: dict | None = None):
         config = {"train_batch_size": 1, "optimizer": {"params": {"weight_decay": weight_decay, "betas": [0.9, beta2]}}}
         return initialize(small_model(), {**config, **(schedule or {})}, SINGLE)
@@ -287,8 +346,10 @@ def test_resumed_optimizer_settings_that_the_checkpoint_replaces_are_named(tmp_p
     changed = engine(0.05, 0.99)
     changed.load_checkpoint(tmp_path, "one")
     line = [out for out in capsys.readouterr().out.splitlines() if "is ignored" in out]
-    assert line == [" > resuming: this run's optimizer betas (0.9, 0.99) (checkpoint: (0.9, 0.95)), weight_decay 0.05 "
-                    "(checkpoint: 0.1) is ignored: the checkpoint's optimizer state keeps its own, as in DeepSpeed and "
-                    "Megatron; load with --no-load-optim (load_optimizer=False) to start the optimizer afresh with the "
-                    "new settings"]
+    assert line == [
+        " > resuming: this run's optimizer betas (0.9, 0.99) (checkpoint: (0.9, 0.95)), weight_decay 0.05 "
+        "(checkpoint: 0.1) is ignored: the checkpoint's optimizer state keeps its own, as in DeepSpeed and "
+        "Megatron; load with --no-load-optim (load_optimizer=False) to start the optimizer afresh with the "
+        "new settings"
+    ]
     assert changed.optimizer.param_groups[0]["weight_decay"] == 0.1

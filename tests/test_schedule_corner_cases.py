@@ -18,8 +18,10 @@ BASES = (0.3, 0.07)  # the param groups' own lrs
 
 def optimizer_with(lrs: tuple[float, ...] = BASES, dtype: torch.dtype | None = None) -> torch.optim.Adam:
     """Adam with one param group per lr; a tensor lr of `dtype` when one is given."""
-    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))],
-               "lr": lr if dtype is None else torch.tensor(lr, dtype=dtype)} for lr in lrs]
+    groups = [
+        {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr if dtype is None else torch.tensor(lr, dtype=dtype)}
+        for lr in lrs
+    ]
     return torch.optim.Adam(groups)
 
 
@@ -39,6 +41,7 @@ def cosine_ratio(t: int) -> float:
 
 # --- a tensor lr -------------------------------------------------------------------------------
 
+
 def triangle(t: int, half: int) -> float:
     """OneCycle's scale with equal halves: up over `half` steps, down over `half`."""
     b = (t + 1) % (2 * half)
@@ -47,14 +50,22 @@ def triangle(t: int, half: int) -> float:
 
 # schedules whose values do not depend on the group's lr: DeepSpeed fills the float into the tensor
 FLOAT_VALUED: dict[str, tuple[dict[str, Any], Callable[[int], float]]] = {
-    "LRRangeTest": ({"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 4, "lr_range_test_step_rate": 2.0},
-                    lambda t: 1e-3 * (1 + 2.0 * (t + 1) / 4)),
-    "OneCycle": ({"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3},
-                 lambda t: 0.01 + 0.09 * triangle(t, 3) if t < 6 else 0.01),  # no decay after the cycle
-    "WarmupLR": ({"warmup_min_lr": 0.01, "warmup_max_lr": 0.2, "warmup_num_steps": 8, "warmup_type": "linear"},
-                 lambda t: 0.01 if t < 0 else 0.01 + 0.19 * min(t, 8) / 8),
-    "WarmupDecayLR": ({"total_num_steps": 12, "warmup_num_steps": 4, "warmup_type": "linear"},
-                      lambda t: 0.0 if t < 0 else 0.001 * (t / 4 if t < 4 else max(0.0, (12 - t) / 8))),
+    "LRRangeTest": (
+        {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 4, "lr_range_test_step_rate": 2.0},
+        lambda t: 1e-3 * (1 + 2.0 * (t + 1) / 4),
+    ),
+    "OneCycle": (
+        {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3},
+        lambda t: 0.01 + 0.09 * triangle(t, 3) if t < 6 else 0.01,
+    ),  # no decay after the cycle
+    "WarmupLR": (
+        {"warmup_min_lr": 0.01, "warmup_max_lr": 0.2, "warmup_num_steps": 8, "warmup_type": "linear"},
+        lambda t: 0.01 if t < 0 else 0.01 + 0.19 * min(t, 8) / 8,
+    ),
+    "WarmupDecayLR": (
+        {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_type": "linear"},
+        lambda t: 0.0 if t < 0 else 0.001 * (t / 4 if t < 4 else max(0.0, (12 - t) / 8)),
+    ),
 }
 
 
@@ -73,15 +84,25 @@ def test_a_tensor_lr_is_filled_in_place_and_keeps_its_dtype(type_name: str, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("type_name,params,expected", [
-    # without warmup_max_lr the peak is the group's own lr: min + (lr - min) * gamma, in the lr's dtype
-    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 7},
-     lambda t, lr: 0.001 if t < 0 else 0.001 + (lr - 0.001) * (log_warmup(t, 7) if t < 7 else 1.0)),
-    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
-     lambda t, lr: lr * cosine_ratio(t)),
-])
+@pytest.mark.parametrize(
+    "type_name,params,expected",
+    [
+        # without warmup_max_lr the peak is the group's own lr: min + (lr - min) * gamma, in the lr's dtype
+        (
+            "WarmupLR",
+            {"warmup_min_lr": 0.001, "warmup_num_steps": 7},
+            lambda t, lr: 0.001 if t < 0 else 0.001 + (lr - 0.001) * (log_warmup(t, 7) if t < 7 else 1.0),
+        ),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
+            lambda t, lr: lr * cosine_ratio(t),
+        ),
+    ],
+)
 def test_a_groups_own_tensor_lr_is_scaled_in_its_dtype_as_deepspeed_does(
-        type_name: str, params: dict[str, Any], expected: Callable[[int, Any], Any], dtype: torch.dtype) -> None:
+    type_name: str, params: dict[str, Any], expected: Callable[[int, Any], Any], dtype: torch.dtype
+) -> None:
     """DeepSpeed keeps the group's lr tensor and does this arithmetic on it, so the values carry
     the dtype's rounding at each operation, not one rounding of a float64 result."""
     lrs = (0.3, 0.07, 3e-3, 0.77)
@@ -110,13 +131,20 @@ def test_get_last_lr_gives_copies_of_tensor_lrs() -> None:
     assert [lr.item() for lr in last] == [torch.tensor(b * 1 / 4).item() for b in BASES]
 
 
-@pytest.mark.parametrize("type_name,params,dtype", [
-    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
-     torch.float32),
-    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 14}, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "type_name,params,dtype",
+    [
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
+            torch.float32,
+        ),
+        ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 14}, torch.bfloat16),
+    ],
+)
 def test_a_tensor_lr_schedule_resumes_from_json_state_in_its_dtype(
-        type_name: str, params: dict[str, Any], dtype: torch.dtype) -> None:
+    type_name: str, params: dict[str, Any], dtype: torch.dtype
+) -> None:
     """Resumed equals uninterrupted to the bit: the saved lrs come back as tensors of the dtype."""
     straight_optimizer = optimizer_with(dtype=dtype)
     straight = build_scheduler(straight_optimizer, type_name, params)
@@ -138,14 +166,24 @@ def test_a_tensor_lr_schedule_resumes_from_json_state_in_its_dtype(
         resumed.step()
 
 
-@pytest.mark.parametrize("type_name,params,expected", [
-    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 10},
-     lambda t, lr: 0.001 + (lr - 0.001) * log_warmup(t, 10)),
-    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
-     lambda t, lr: lr * cosine_ratio(t)),
-])
-def test_log_warmup_equals_deepspeeds_to_the_bit(type_name: str, params: dict[str, Any],
-                                                   expected: Callable[[int, float], float]) -> None:
+@pytest.mark.parametrize(
+    "type_name,params,expected",
+    [
+        (
+            "WarmupLR",
+            {"warmup_min_lr": 0.001, "warmup_num_steps": 10},
+            lambda t, lr: 0.001 + (lr - 0.001) * log_warmup(t, 10),
+        ),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
+            lambda t, lr: lr * cosine_ratio(t),
+        ),
+    ],
+)
+def test_log_warmup_equals_deepspeeds_to_the_bit(
+    type_name: str, params: dict[str, Any], expected: Callable[[int, float], float]
+) -> None:
     """DeepSpeed multiplies by 1 / log(warmup) rather than dividing by log(warmup): the last bit
     of some values differs between the two."""
     optimizer = optimizer_with()
@@ -157,11 +195,20 @@ def test_log_warmup_equals_deepspeeds_to_the_bit(type_name: str, params: dict[st
 
 # --- OneCycle ----------------------------------------------------------------------------------
 
+
 def test_one_cycle_takes_one_bound_per_param_group() -> None:
     optimizer = optimizer_with()
-    build = {"cycle_min_lr": [0.01, 0.02], "cycle_max_lr": [0.1, 0.4], "cycle_min_mom": [0.8, 0.85],
-             "cycle_max_mom": 0.95, "cycle_first_step_size": 2, "cycle_second_step_size": 2,
-             "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}
+    build = {
+        "cycle_min_lr": [0.01, 0.02],
+        "cycle_max_lr": [0.1, 0.4],
+        "cycle_min_mom": [0.8, 0.85],
+        "cycle_max_mom": 0.95,
+        "cycle_first_step_size": 2,
+        "cycle_second_step_size": 2,
+        "decay_step_size": 2,
+        "decay_lr_rate": 0.5,
+        "decay_mom_rate": 0.01,
+    }
     schedule = build_scheduler(optimizer, "OneCycle", build)
     scales = [0.0, 0.5, 1.0, 0.5, 0.0]  # t = -1 .. 3: up over two steps, down over two
     for t in range(-1, 10):
@@ -175,17 +222,31 @@ def test_one_cycle_takes_one_bound_per_param_group() -> None:
         schedule.step()
 
 
-@pytest.mark.parametrize("stairs,scales", [
-    (0, [0.0, 0.25, 0.5, 0.75, 0.0]),  # t = -1 .. 3: scale (t + 1) mod 4 / 4, back to the floor at t = 3
-    (2, [0.0, 0.0, 0.5, 0.5, 0.0]),  # two stairs over the rising half
-])
+@pytest.mark.parametrize(
+    "stairs,scales",
+    [
+        (0, [0.0, 0.25, 0.5, 0.75, 0.0]),  # t = -1 .. 3: scale (t + 1) mod 4 / 4, back to the floor at t = 3
+        (2, [0.0, 0.0, 0.5, 0.5, 0.0]),  # two stairs over the rising half
+    ],
+)
 def test_one_cycle_with_no_second_half_rises_then_decays(stairs: int, scales: list[float]) -> None:
     """cycle_second_step_size 0, as DeepSpeed takes it: the cycle is the first half alone."""
     optimizer = optimizer_with((0.5,))
-    schedule = build_scheduler(optimizer, "OneCycle", {
-        "cycle_min_lr": 0.01, "cycle_max_lr": 0.09, "cycle_first_step_size": 4, "cycle_second_step_size": 0,
-        "cycle_first_stair_count": stairs, "decay_step_size": 3, "decay_lr_rate": 1.0,
-        "cycle_min_mom": 0.85, "cycle_max_mom": 0.95})
+    schedule = build_scheduler(
+        optimizer,
+        "OneCycle",
+        {
+            "cycle_min_lr": 0.01,
+            "cycle_max_lr": 0.09,
+            "cycle_first_step_size": 4,
+            "cycle_second_step_size": 0,
+            "cycle_first_stair_count": stairs,
+            "decay_step_size": 3,
+            "decay_lr_rate": 1.0,
+            "cycle_min_mom": 0.85,
+            "cycle_max_mom": 0.95,
+        },
+    )
     for t in range(-1, 12):
         if t < 4:
             lr, beta1 = 0.01 + 0.08 * scales[t + 1], 0.85 if t < 0 else 0.95 - 0.1 * scales[t + 1]
@@ -198,24 +259,28 @@ def test_one_cycle_with_no_second_half_rises_then_decays(stairs: int, scales: li
 
 # --- which schedules inherit each group's lr -----------------------------------------------------
 
+
 def test_warmup_decay_lr_peaks_at_deepspeeds_default_unless_null_inherits_each_groups_lr() -> None:
     params = {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_type": "linear"}
 
     def gamma(t: int) -> float:
         return 0.0 if t < 0 else t / 4 if t < 4 else max(0.0, (12 - t) / 8)
+
     for warmup_max_lr, peaks in (({}, (0.001, 0.001)), ({"warmup_max_lr": None}, BASES)):
         optimizer = optimizer_with()
         schedule = build_scheduler(optimizer, "WarmupDecayLR", {**params, **warmup_max_lr})
         for t in range(-1, 14):
             assert [group["lr"] for group in optimizer.param_groups] == pytest.approx(
-                [peak * gamma(t) for peak in peaks], abs=1e-15), (warmup_max_lr, t)
+                [peak * gamma(t) for peak in peaks], abs=1e-15
+            ), (warmup_max_lr, t)
             schedule.step()
 
 
 def test_warmup_lr_without_a_peak_warms_each_group_up_to_its_own_lr() -> None:
     optimizer = optimizer_with()
-    schedule = build_scheduler(optimizer, "WarmupLR", {"warmup_min_lr": [0.01, 0.0], "warmup_num_steps": 5,
-                                                       "warmup_type": "linear"})
+    schedule = build_scheduler(
+        optimizer, "WarmupLR", {"warmup_min_lr": [0.01, 0.0], "warmup_num_steps": 5, "warmup_type": "linear"}
+    )
     for t in range(-1, 8):
         want = [lo if t < 0 else lo + (base - lo) * min(t, 5) / 5 for lo, base in zip((0.01, 0.0), BASES)]
         assert [group["lr"] for group in optimizer.param_groups] == pytest.approx(want, abs=1e-15)
@@ -224,12 +289,19 @@ def test_warmup_lr_without_a_peak_warms_each_group_up_to_its_own_lr() -> None:
 
 # --- warmup_type -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("type_name,params", [
-    ("WarmupLR", {}), ("WarmupDecayLR", {"total_num_steps": 2000}), ("WarmupCosineLR", {"total_num_steps": 2000})])
+
+@pytest.mark.parametrize(
+    "type_name,params",
+    [("WarmupLR", {}), ("WarmupDecayLR", {"total_num_steps": 2000}), ("WarmupCosineLR", {"total_num_steps": 2000})],
+)
 def test_an_unknown_warmup_type_stops_where_deepspeed_would_silently_warm_up_logarithmically(
-        type_name: str, params: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match=r"^scheduler \w+: unknown warmup_type 'linaer'; use one of log, linear "
-                                          r"\(DeepSpeed would fall back to log\)$"):
+    type_name: str, params: dict[str, Any]
+) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^scheduler \w+: unknown warmup_type 'linaer'; use one of log, linear "
+        r"\(DeepSpeed would fall back to log\)$",
+    ):
         build_scheduler(optimizer_with(), type_name, {**params, "warmup_type": "linaer"})
 
 
@@ -248,8 +320,12 @@ def test_a_tensor_lr_survives_a_checkpoint(tmp_path):
         engine.step()
     engine.save_checkpoint(tmp_path, "step2")
     resumed_model = torch.nn.Linear(3, 1)
-    resumed = initialize(resumed_model, config, grid, model_parameters=[
-        {"params": list(resumed_model.parameters()), "lr": torch.tensor(0.01, dtype=torch.float64)}])
+    resumed = initialize(
+        resumed_model,
+        config,
+        grid,
+        model_parameters=[{"params": list(resumed_model.parameters()), "lr": torch.tensor(0.01, dtype=torch.float64)}],
+    )
     resumed.load_checkpoint(tmp_path, "step2")
     lr = resumed.optimizer.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float64

@@ -22,7 +22,11 @@ def dry_run(target: str, *args: str, path: str, **env: str) -> str:
     clean = {"PATH": path, "HOME": os.environ.get("HOME", "/tmp"), **env}
     result = subprocess.run(
         [MAKE, "-n", "-B", "--no-print-directory", target, *args],
-        cwd=REPO, env=clean, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -48,7 +52,7 @@ def gpu_path(tmp_path: Path) -> str:
 def test_without_an_active_environment_make_creates_and_uses_dot_venv(no_gpu_path: str) -> None:
     out = dry_run("test", path=no_gpu_path)
     assert "python3 -m venv .venv" in out
-    assert ".venv/bin/python -m pip install -e \".[test]\"" in out
+    assert '.venv/bin/python -m pip install -e ".[test]"' in out
     assert ".venv/bin/python -m pytest -q tests" in out
 
 
@@ -105,8 +109,12 @@ def test_the_build_can_be_chosen_by_hand(gpu_path: str, no_gpu_path: str) -> Non
 
 def test_an_unknown_torch_variant_stops_with_the_choices(no_gpu_path: str) -> None:
     result = subprocess.run(
-        [MAKE, "-n", "install", "TORCH_VARIANT=rocm"], cwd=REPO, env={"PATH": no_gpu_path},
-        capture_output=True, text=True, timeout=60,
+        [MAKE, "-n", "install", "TORCH_VARIANT=rocm"],
+        cwd=REPO,
+        env={"PATH": no_gpu_path},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode != 0
     assert "TORCH_VARIANT=rocm is not one of cpu, cuda" in result.stderr

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.checksum import BLOCK_BYTES as BLOCK
 from megatron.runtime.engine import Engine
 from megatron.runtime.swap.folder import OWNER_FILE, Owner, SwapFolder, read_owner, start_time, this_process
-from megatron.checkpoint.checksum import BLOCK_BYTES as BLOCK
 from megatron.runtime.swap.slots import SwapError
 from tests.dist_utils import run_distributed
 from tests.test_offload import BATCH, H, single_engine, swapping_engine, train
@@ -36,7 +36,7 @@ def next_step(engine: Engine) -> None:
 
 def data_blocks(data: bytes) -> list[int]:
     """Offsets of the 4 KiB blocks of `data` that hold something other than zeros."""
-    return [at for at in range(0, len(data), BLOCK) if any(data[at:at + BLOCK])]
+    return [at for at in range(0, len(data), BLOCK) if any(data[at : at + BLOCK])]
 
 
 def damage(path: Path, how: str, older: bytes) -> None:
@@ -51,7 +51,7 @@ def damage(path: Path, how: str, older: bytes) -> None:
     elif how == "bit":
         data[first + 17] ^= 1 << 3
     elif how == "moved":  # two blocks trade places
-        data[block], data[second:second + BLOCK] = data[second:second + BLOCK], data[block]
+        data[block], data[second : second + BLOCK] = data[second : second + BLOCK], data[block]
     elif how == "stale":  # the last write was lost
         data[:] = older
     assert bytes(data) != path.read_bytes()
@@ -72,8 +72,11 @@ def test_damaged_swap_file_stops_training_naming_the_file(tmp_path, kind, how):
     older = path.read_bytes()
     train(engine, 1, 2)
     damage(path, how, older)
-    with pytest.raises(SwapError, match=rf"the swap disk returned damaged data for {what} in {re.escape(str(path))}, "
-                                        r"bytes [\d,]+-[\d,]+ .*training stopped and the last checkpoint is intact"):
+    with pytest.raises(
+        SwapError,
+        match=rf"the swap disk returned damaged data for {what} in {re.escape(str(path))}, "
+        r"bytes [\d,]+-[\d,]+ .*training stopped and the last checkpoint is intact",
+    ):
         next_step(engine)
 
 
@@ -112,8 +115,11 @@ DAY = 24 * 3600
 # pid that is gone, how long ago the folder last changed, and why it is removed (None: it is kept)
 STALE_CASES = {
     "dead pid": (lambda me, gone: [gone], 0, "of a run whose process {dead} is gone"),
-    "dead ranks": (lambda me, gone: [gone, replace(gone, pid=gone.pid + 1)], 0,
-                   "of a run whose processes {dead}, {dead_plus_1} are gone"),
+    "dead ranks": (
+        lambda me, gone: [gone, replace(gone, pid=gone.pid + 1)],
+        0,
+        "of a run whose processes {dead}, {dead_plus_1} are gone",
+    ),
     "pid reused": (lambda me, gone: [replace(me, started=me.started - 1)], 0, "of a run whose process {me} is gone"),
     "machine restarted": (lambda me, gone: [replace(me, boot="other")], 0, "of a run whose process {me} is gone"),
     "no record, old": (lambda me, gone: [None], 2 * DAY, "that has no owner record and has not changed for a day"),
@@ -172,8 +178,13 @@ sys.stdin.read()
 
 
 def test_a_live_run_keeps_its_folder_until_it_is_killed(tmp_path, capsys):
-    with subprocess.Popen([sys.executable, "-c", OWN_FOLDER, str(tmp_path)], cwd=REPO, stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as child:
+    with subprocess.Popen(
+        [sys.executable, "-c", OWN_FOLDER, str(tmp_path)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
         try:
             theirs = Path(child.stdout.readline().strip())
             assert theirs.exists()
@@ -204,8 +215,13 @@ raise {exit}
 
 @pytest.mark.parametrize("exit, returncode", [("SystemExit(3)", 3), ("KeyboardInterrupt", -signal.SIGINT)])
 def test_swap_folders_are_removed_when_the_interpreter_exits(tmp_path, exit, returncode):
-    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_SWAPPING.format(exit=exit), str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_SWAPPING.format(exit=exit), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == returncode, done.stderr
     folders = [Path(line) for line in done.stdout.splitlines() if line.startswith(str(tmp_path))]
     assert len(folders) == 2 and not any(f.exists() for f in folders)

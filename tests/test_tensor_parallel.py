@@ -18,11 +18,24 @@ from torch import nn
 
 from megatron.errors import ConfigError
 from megatron.model.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
-    copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region, reduce_from_tp_region,
-    reduce_scatter_to_sequence_region, scatter_to_sequence_region, scatter_to_tp_region, sequence_gathered_linear, shard,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+    sequence_gathered_linear,
+    shard,
     sum_gradient_over,
-    tensor_parallel_split, tp_rank_and_size, unshard, vocab_parallel_cross_entropy,
+    tensor_parallel_split,
+    tp_rank_and_size,
+    unshard,
+    vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import init_linear_, init_normal_, swiglu
 from tests.dist_utils import run_distributed
@@ -76,6 +89,7 @@ def _grads(prefix: str, layer: nn.Module) -> Tensors:
 
 # --- column-parallel linear ---------------------------------------------------------------------
 
+
 def _column(group: Group, gather_output: bool, parts: list[int] | None) -> Tensors:
     rank, size = tp_rank_and_size(group)
     torch.manual_seed(SEED)
@@ -103,6 +117,7 @@ def _column_layout(gather_output: bool, parts: list[int] | None) -> Layout:
 
 
 # --- row-parallel linear ------------------------------------------------------------------------
+
 
 def _row(group: Group, input_is_parallel: bool) -> Tensors:
     rank, size = tp_rank_and_size(group)
@@ -132,6 +147,7 @@ def _row_layout(input_is_parallel: bool) -> Layout:
 
 
 # --- SwiGLU MLP: column ([gate; up] parts) -> row, optionally sequence parallel ------------------
+
 
 def _full_mlp() -> tuple[nn.Linear, nn.Linear]:
     torch.manual_seed(SEED)
@@ -168,11 +184,18 @@ def _mlp_reference(sequence_parallel: bool) -> Tensors:
 
 
 def _mlp_layout(sequence_parallel: bool) -> Layout:
-    return {"out": None, "x_grad": None, "fc1_w_grad": (0, [F_, F_]), "fc1_b_grad": (0, [F_, F_]),
-            "fc2_w_grad": (1, None), "fc2_b_grad": None}
+    return {
+        "out": None,
+        "x_grad": None,
+        "fc1_w_grad": (0, [F_, F_]),
+        "fc1_b_grad": (0, [F_, F_]),
+        "fc2_w_grad": (1, None),
+        "fc2_b_grad": None,
+    }
 
 
 # --- a norm under sequence parallelism: whole weight, each rank's positions, summed gradient -----
+
 
 def _norm(group: Group) -> Tensors:
     rank, size = tp_rank_and_size(group)
@@ -198,6 +221,7 @@ def _norm_reference() -> Tensors:
 
 
 # --- vocabulary-parallel embedding and cross-entropy -------------------------------------------
+
 
 def _ids_BS() -> torch.Tensor:
     return (torch.arange(B * S).view(B, S) * 5 + 3) % V  # ids in every rank's range, for tp up to 4
@@ -247,16 +271,25 @@ def _cross_entropy_reference() -> Tensors:
 # --- the mappings alone: each rank feeds its own input and output gradient ---------------------
 
 MAPPINGS = {
-    "copy": copy_to_tp_region, "reduce": reduce_from_tp_region, "gather": gather_from_tp_region,
-    "scatter": scatter_to_tp_region, "seq_scatter": scatter_to_sequence_region,
-    "seq_gather": gather_from_sequence_region, "seq_reduce_scatter": reduce_scatter_to_sequence_region,
+    "copy": copy_to_tp_region,
+    "reduce": reduce_from_tp_region,
+    "gather": gather_from_tp_region,
+    "scatter": scatter_to_tp_region,
+    "seq_scatter": scatter_to_sequence_region,
+    "seq_gather": gather_from_sequence_region,
+    "seq_reduce_scatter": reduce_scatter_to_sequence_region,
 }
 
 
 def _mapping_inputs(name: str, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s input and output gradient for mapping `name`."""
-    out_shape = {"gather": (B, S, H * size), "scatter": (B, S, H // size), "seq_scatter": (B, S // size, H),
-                 "seq_gather": (B, S * size, H), "seq_reduce_scatter": (B, S // size, H)}.get(name, (B, S, H))
+    out_shape = {
+        "gather": (B, S, H * size),
+        "scatter": (B, S, H // size),
+        "seq_scatter": (B, S // size, H),
+        "seq_gather": (B, S * size, H),
+        "seq_reduce_scatter": (B, S // size, H),
+    }.get(name, (B, S, H))
     return _randn(B, S, H, seed=100 + rank), _randn(*out_shape, seed=200 + rank)
 
 
@@ -300,17 +333,44 @@ def _expected_mapping(name: str, rank: int, size: int) -> tuple[torch.Tensor, to
 # --- the cases, run together in one world per size ---------------------------------------------
 
 CASES: dict[str, tuple[Callable[[Group], Tensors], Callable[[], Tensors], Layout]] = {
-    **{f"column_gather{int(g)}_parts{int(p is not None)}": (
-        functools.partial(_column, gather_output=g, parts=p), functools.partial(_column_reference, g, p), _column_layout(g, p))
-       for g in (False, True) for p in (None, QKV)},
-    **{f"row_parallel_input{int(i)}": (functools.partial(_row, input_is_parallel=i), functools.partial(_row_reference, i), _row_layout(i))
-       for i in (False, True)},
-    **{f"mlp_sp{int(sp)}": (functools.partial(_mlp, sequence_parallel=sp), functools.partial(_mlp_reference, sp), _mlp_layout(sp))
-       for sp in (False, True)},
-    **{f"embedding_sp{int(sp)}": (functools.partial(_embedding, sequence_parallel=sp), functools.partial(_embedding_reference, sp),
-                                  {"out": None, "w_grad": (0, None)})
-       for sp in (False, True)},
-    "norm_sum_gradient": (_norm, _norm_reference, {"out": (1, None), "x_grad": (1, None), "w_grad": None, "b_grad": None}),
+    **{
+        f"column_gather{int(g)}_parts{int(p is not None)}": (
+            functools.partial(_column, gather_output=g, parts=p),
+            functools.partial(_column_reference, g, p),
+            _column_layout(g, p),
+        )
+        for g in (False, True)
+        for p in (None, QKV)
+    },
+    **{
+        f"row_parallel_input{int(i)}": (
+            functools.partial(_row, input_is_parallel=i),
+            functools.partial(_row_reference, i),
+            _row_layout(i),
+        )
+        for i in (False, True)
+    },
+    **{
+        f"mlp_sp{int(sp)}": (
+            functools.partial(_mlp, sequence_parallel=sp),
+            functools.partial(_mlp_reference, sp),
+            _mlp_layout(sp),
+        )
+        for sp in (False, True)
+    },
+    **{
+        f"embedding_sp{int(sp)}": (
+            functools.partial(_embedding, sequence_parallel=sp),
+            functools.partial(_embedding_reference, sp),
+            {"out": None, "w_grad": (0, None)},
+        )
+        for sp in (False, True)
+    },
+    "norm_sum_gradient": (
+        _norm,
+        _norm_reference,
+        {"out": (1, None), "x_grad": (1, None), "w_grad": None, "b_grad": None},
+    ),
     "cross_entropy": (_cross_entropy, _cross_entropy_reference, {"out": None, "logits_grad": (-1, None)}),
 }
 
@@ -367,6 +427,7 @@ def test_mappings_move_values_and_gradients(ranks):
 
 # --- pure functions and errors ------------------------------------------------------------------
 
+
 def test_without_a_group_tensor_parallelism_is_off():
     record = TensorParallel()
     assert (record.group, record.size, record.enabled, record.sequence_parallel) == (None, 1, False, False)
@@ -386,9 +447,13 @@ def test_shard_takes_each_parts_slice_and_unshard_inverts_it():
 
 
 def test_sizes_that_do_not_split_evenly_are_config_errors():
-    with pytest.raises(ConfigError, match=r"dimension 0 of a \(10, 3\) tensor \(10\) is not divisible by the tensor-parallel size 4"):
+    with pytest.raises(
+        ConfigError, match=r"dimension 0 of a \(10, 3\) tensor \(10\) is not divisible by the tensor-parallel size 4"
+    ):
         shard(torch.zeros(10, 3), 0, 0, 4)
-    with pytest.raises(ConfigError, match=r"part 1 of dimension 0 .* \[6, 3, 3\] \(3\) is not divisible by the tensor-parallel size 2"):
+    with pytest.raises(
+        ConfigError, match=r"part 1 of dimension 0 .* \[6, 3, 3\] \(3\) is not divisible by the tensor-parallel size 2"
+    ):
         shard(torch.zeros(12, 3), 0, 0, 2, [6, 3, 3])
     with pytest.raises(ConfigError, match=r"partition sizes \[8, 4\] .* add up to 12, not 16"):
         unshard([torch.zeros(8), torch.zeros(8)], 0, [8, 4])
@@ -398,11 +463,18 @@ def _check_layer_errors(group: dist.ProcessGroup) -> None:
     """Layers name the size that does not split (run on the ranks: the size comes from the group)."""
     size = dist.get_world_size(group)
     odd = 2 * size + 1
-    with pytest.raises(ConfigError, match=rf"ColumnParallelLinear's out_features \({odd}\) is not divisible by the tensor-parallel size {size}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"ColumnParallelLinear's out_features \({odd}\) is not divisible by the tensor-parallel size {size}",
+    ):
         ColumnParallelLinear(nn.Linear(H, odd), group)
-    with pytest.raises(ConfigError, match=rf"part 1 of ColumnParallelLinear's out_features \[{2 * size}, {odd}, {odd}\]"):
+    with pytest.raises(
+        ConfigError, match=rf"part 1 of ColumnParallelLinear's out_features \[{2 * size}, {odd}, {odd}\]"
+    ):
         ColumnParallelLinear(nn.Linear(H, 2 * size + 2 * odd), group, partition_sizes=[2 * size, odd, odd])
-    with pytest.raises(ConfigError, match=r"partition sizes \[8, 4\] of ColumnParallelLinear's out_features add up to 12, not 16"):
+    with pytest.raises(
+        ConfigError, match=r"partition sizes \[8, 4\] of ColumnParallelLinear's out_features add up to 12, not 16"
+    ):
         ColumnParallelLinear(nn.Linear(H, 16), group, partition_sizes=[8, 4])
     with pytest.raises(ConfigError, match=rf"RowParallelLinear's in_features \({odd}\) is not divisible"):
         RowParallelLinear(nn.Linear(odd, H), group)
@@ -413,6 +485,7 @@ def _check_layer_errors(group: dist.ProcessGroup) -> None:
 
 
 # --- the column-parallel product under sequence parallelism saves only this rank's positions ----
+
 
 def _saved_numel(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     """fn's output and the elements autograd saved for its backward."""
@@ -427,16 +500,25 @@ def _gathered_linear() -> Tensors:
     rank, size = tp_rank_and_size(group)
     out: Tensors = {}
     for dtype in (None, torch.bfloat16):  # fp32, and under bf16 autocast as autocast's linear computes
-        for way, product in (("fused", lambda x, w, b: sequence_gathered_linear(x, w, b, group)),
-                             ("composed", lambda x, w, b: F.linear(gather_from_sequence_region(x, group), w, b))):
+        for way, product in (
+            ("fused", lambda x, w, b: sequence_gathered_linear(x, w, b, group)),
+            ("composed", lambda x, w, b: F.linear(gather_from_sequence_region(x, group), w, b)),
+        ):
             x_BsH = _randn(B, S // size, H, seed=300 + rank).requires_grad_()
             w_oH, b_o = (_randn(F_, H, seed=301).requires_grad_(), _randn(F_, seed=302).requires_grad_())
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                y_BSo, saved = _saved_numel(lambda: product(x_BsH, w_oH, b_o))
+                y_BSo, saved = _saved_numel(functools.partial(product, x_BsH, w_oH, b_o))
             y_BSo.float().backward(_randn(B, S, F_, seed=303))
             key = f"{way}/{dtype}"
-            out.update({f"{key}/out": y_BSo.float(), f"{key}/x_grad": x_BsH.grad, f"{key}/w_grad": w_oH.grad,
-                        f"{key}/b_grad": b_o.grad, f"{key}/saved": torch.tensor(saved)})
+            out.update(
+                {
+                    f"{key}/out": y_BSo.float(),
+                    f"{key}/x_grad": x_BsH.grad,
+                    f"{key}/w_grad": w_oH.grad,
+                    f"{key}/b_grad": b_o.grad,
+                    f"{key}/saved": torch.tensor(saved),
+                }
+            )
     return out
 
 
@@ -444,9 +526,13 @@ def test_sequence_gathered_linear_equals_gather_then_linear_and_saves_a_tp_th_of
     for rank, result in enumerate(run_distributed(_gathered_linear, 2)):
         for dtype in (None, torch.bfloat16):
             for name in ("out", "x_grad", "w_grad", "b_grad"):
-                torch.testing.assert_close(result[f"fused/{dtype}/{name}"], result[f"composed/{dtype}/{name}"],
-                                           msg=f"rank {rank} {dtype} {name}")
+                torch.testing.assert_close(
+                    result[f"fused/{dtype}/{name}"],
+                    result[f"composed/{dtype}/{name}"],
+                    msg=f"rank {rank} {dtype} {name}",
+                )
             # the composition saves the gathered [B, S, H] input; the fused product this rank's [B, S/2, H]
             saved_input = {"fused": B * S // 2 * H, "composed": B * S * H}
-            assert (result[f"composed/{dtype}/saved"] - result[f"fused/{dtype}/saved"]).item() == \
-                saved_input["composed"] - saved_input["fused"], (rank, dtype)
+            assert (result[f"composed/{dtype}/saved"] - result[f"fused/{dtype}/saved"]).item() == saved_input[
+                "composed"
+            ] - saved_input["fused"], (rank, dtype)

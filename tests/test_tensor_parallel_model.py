@@ -11,12 +11,26 @@ from megatron.model import GPTConfig, GPTModel
 from megatron.model.tensor_parallel import TensorParallel, shard, tensor_parallel_split
 from tests.dist_utils import run_distributed
 
-BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16,
-            hidden_dropout=0.0, attention_dropout=0.0)
+BASE = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    max_position_embeddings=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 CASES = {
     "classic": {},  # LayerNorm, GELU, biases, learned positions, tied head
-    "modern": dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, num_query_groups=2,
-                   position_embedding_type="rope", untie_embeddings_and_output_weights=True, qk_layernorm=True),
+    "modern": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        num_query_groups=2,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        qk_layernorm=True,
+    ),
     "plain_qkv_swiglu": dict(swiglu=True, qk_layernorm=True),
 }
 
@@ -61,7 +75,9 @@ def _compare_on_rank() -> dict[str, torch.Tensor]:
                     expected_grad = shard(expected_grad, split.dim, rank, 2, split.partition_sizes)
                 out[f"{key}/{name}.value"], out[f"{key}/{name}.value.want"] = param.detach(), expected_value
                 out[f"{key}/{name}.grad"], out[f"{key}/{name}.grad.want"] = param.grad, expected_grad
-            out[f"{key}/split_count"] = torch.tensor(sum(tensor_parallel_split(p) is not None for p in parallel.parameters()))
+            out[f"{key}/split_count"] = torch.tensor(
+                sum(tensor_parallel_split(p) is not None for p in parallel.parameters())
+            )
     return out
 
 

@@ -21,19 +21,43 @@ from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 
 ARCHITECTURES = {
     "classic": {},
-    "modern": {"swiglu": True, "disable_bias_linear": True, "normalization": "RMSNorm", "group_query_attention": True,
-               "num_query_groups": 2, "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True},
+    "modern": {
+        "swiglu": True,
+        "disable_bias_linear": True,
+        "normalization": "RMSNorm",
+        "group_query_attention": True,
+        "num_query_groups": 2,
+        "position_embedding_type": "rope",
+        "untie_embeddings_and_output_weights": True,
+    },
     # dropless and without DeepSpeed's random second expert: capacity counts each rank's tokens under
     # sequence parallelism (as in Megatron-Core) and each rank draws its own noise, so only then is
     # the routing that of one process
-    "moe": {"num_experts": 4, "topk": 2, "disable_moe_token_dropping": True, "moe_z_loss_coeff": 1e-2,
-            "disable_moe_top2_2nd_expert_sampling": True},
-    "modern_moe": {**MODERN_MOE, "disable_moe_token_dropping": True, "moe_router_load_balancing_type": "seq_aux_loss",
-                   "moe_router_bias_update_rate": 1e-2},
+    "moe": {
+        "num_experts": 4,
+        "topk": 2,
+        "disable_moe_token_dropping": True,
+        "moe_z_loss_coeff": 1e-2,
+        "disable_moe_top2_2nd_expert_sampling": True,
+    },
+    "modern_moe": {
+        **MODERN_MOE,
+        "disable_moe_token_dropping": True,
+        "moe_router_load_balancing_type": "seq_aux_loss",
+        "moe_router_bias_update_rate": 1e-2,
+    },
 }
 # the padded vocabulary (61 -> 64) is a multiple of 32 x TP, so TP=1 and TP=2 build the same model
-COMMON = dict(train_iters=10, micro_batch_size=2, global_batch_size=4, hidden_dropout=0.0, attention_dropout=0.0,
-              make_vocab_size_divisible_by=32, clip_grad=0.05, eval_interval=100)
+COMMON = dict(
+    train_iters=10,
+    micro_batch_size=2,
+    global_batch_size=4,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    make_vocab_size_divisible_by=32,
+    clip_grad=0.05,
+    eval_interval=100,
+)
 
 
 def _gathered(value: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
@@ -67,24 +91,56 @@ def _train(corpus: str, dp_size: int, grid, **flags: object) -> dict[str, torch.
 def _runs(world: int, folder: str) -> list[tuple[str, dict[str, object]]]:
     """(key, flags) of each run; TP=2 unless the flags say otherwise."""
     if world == 4:  # TP=2 x DP=2, and with MoE EP=2 inside it, with whole or split (expert-TP=2) experts
-        return [(f"modern/sp1/zero{stage}", {**ARCHITECTURES["modern"], "sequence_parallel": True, "zero_stage": stage})
-                for stage in (1, 3)] + [
-            (f"{arch}/ep2{etp_key}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
-                                                  "moe_expert_parallel_size": 2, **etp})
-            for arch, stage in (("moe", 1), ("modern_moe", 3)) for etp_key, etp in (("", {}), ("_etp2", ETP2))]
-    dense = [(f"{arch}/sp{int(sp)}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": sp, "zero_stage": stage})
-             for arch in ("classic", "modern") for sp in (False, True) for stage in (0, 1, 3)]
+        return [
+            (f"modern/sp1/zero{stage}", {**ARCHITECTURES["modern"], "sequence_parallel": True, "zero_stage": stage})
+            for stage in (1, 3)
+        ] + [
+            (
+                f"{arch}/ep2{etp_key}/zero{stage}",
+                {
+                    **ARCHITECTURES[arch],
+                    "sequence_parallel": True,
+                    "zero_stage": stage,
+                    "moe_expert_parallel_size": 2,
+                    **etp,
+                },
+            )
+            for arch, stage in (("moe", 1), ("modern_moe", 3))
+            for etp_key, etp in (("", {}), ("_etp2", ETP2))
+        ]
+    dense = [
+        (f"{arch}/sp{int(sp)}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": sp, "zero_stage": stage})
+        for arch in ("classic", "modern")
+        for sp in (False, True)
+        for stage in (0, 1, 3)
+    ]
     # MoE under tensor parallelism needs sequence parallelism; experts whole on both ranks (EP=1) or split (EP=2)
-    moe = [(f"{arch}/ep{ep}/zero{stage}", {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage,
-                                           "moe_expert_parallel_size": ep})
-           for arch in ("moe", "modern_moe") for ep, stage in ((1, 0), (2, 1), (2, 3))]
+    moe = [
+        (
+            f"{arch}/ep{ep}/zero{stage}",
+            {**ARCHITECTURES[arch], "sequence_parallel": True, "zero_stage": stage, "moe_expert_parallel_size": ep},
+        )
+        for arch in ("moe", "modern_moe")
+        for ep, stage in ((1, 0), (2, 1), (2, 3))
+    ]
     # experts split over expert-TP=2: the dense layers' TP group (TP=2), or two data-parallel ranks (TP=1)
-    expert_tp = [("moe/etp2/zero0", {**ARCHITECTURES["moe"], "sequence_parallel": True, "zero_stage": 0, **ETP2}),
-                 ("modern_moe/etp2/zero3", {**ARCHITECTURES["modern_moe"], "sequence_parallel": True, "zero_stage": 3, **ETP2}),
-                 ("moe/tp1_etp2/zero1", {**ARCHITECTURES["moe"], "zero_stage": 1, **TP1_ETP2})]
-    offloaded = [("modern/offload_nvme", {**MODERN_SP, **offload(folder, "nvme")}),
-                 ("moe/offload_cpu", {**ARCHITECTURES["moe"], "sequence_parallel": True, "moe_expert_parallel_size": 2,
-                                      **offload(folder, "cpu")})]
+    expert_tp = [
+        ("moe/etp2/zero0", {**ARCHITECTURES["moe"], "sequence_parallel": True, "zero_stage": 0, **ETP2}),
+        ("modern_moe/etp2/zero3", {**ARCHITECTURES["modern_moe"], "sequence_parallel": True, "zero_stage": 3, **ETP2}),
+        ("moe/tp1_etp2/zero1", {**ARCHITECTURES["moe"], "zero_stage": 1, **TP1_ETP2}),
+    ]
+    offloaded = [
+        ("modern/offload_nvme", {**MODERN_SP, **offload(folder, "nvme")}),
+        (
+            "moe/offload_cpu",
+            {
+                **ARCHITECTURES["moe"],
+                "sequence_parallel": True,
+                "moe_expert_parallel_size": 2,
+                **offload(folder, "cpu"),
+            },
+        ),
+    ]
     return dense + moe + expert_tp + offloaded
 
 
@@ -98,8 +154,11 @@ EXPERT_TP_LAYOUTS = {
 }
 OFFLOADS = {  # optimizer offload to the CPU at stage 1; optimizer and parameters in NVMe swap files at stage 3
     "cpu": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
-    "nvme": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP"},
-             "offload_param": {"device": "nvme", "nvme_path": "SWAP", "max_in_cpu": 0}},
+    "nvme": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "SWAP"},
+        "offload_param": {"device": "nvme", "nvme_path": "SWAP", "max_in_cpu": 0},
+    },
 }
 
 
@@ -117,9 +176,12 @@ def offload(folder: str, kind: str) -> dict[str, object]:
 def _train_in_layout(corpus: str, **flags: object) -> dict[str, torch.Tensor]:
     """A run in the layout its flags ask for (TP=2 unless they say otherwise)."""
     flags = {"tensor_model_parallel_size": 2, **flags}
-    grid = build_parallel_grid(torch.device("cpu"), tp_size=int(flags["tensor_model_parallel_size"]),
-                               ep_size=int(flags.get("moe_expert_parallel_size", 1)),
-                               expert_tp_size=int(flags.get("expert_tensor_parallel_size", 1)))
+    grid = build_parallel_grid(
+        torch.device("cpu"),
+        tp_size=int(flags["tensor_model_parallel_size"]),
+        ep_size=int(flags.get("moe_expert_parallel_size", 1)),
+        expert_tp_size=int(flags.get("expert_tensor_parallel_size", 1)),
+    )
     return _train(corpus, grid.dp_size, grid, **flags)
 
 
@@ -131,11 +193,27 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
     # a checkpoint of this layout for the single process, and resumes of the single process's
     grid = build_parallel_grid(torch.device("cpu"), tp_size=2)
     stage = 1 if world == 2 else 3
-    _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, zero_stage=stage, save=f"{folder}/tp2_w{world}",
-           save_interval=5, **MODERN_SP)
+    _train(
+        corpus,
+        grid.dp_size,
+        grid,
+        tensor_model_parallel_size=2,
+        zero_stage=stage,
+        save=f"{folder}/tp2_w{world}",
+        save_interval=5,
+        **MODERN_SP,
+    )
     for resumed_stage in (0, 3):
-        result = _train(corpus, grid.dp_size, grid, tensor_model_parallel_size=2, zero_stage=resumed_stage,
-                        load=f"{folder}/serial", ckpt_step=5, **MODERN_SP)
+        result = _train(
+            corpus,
+            grid.dp_size,
+            grid,
+            tensor_model_parallel_size=2,
+            zero_stage=resumed_stage,
+            load=f"{folder}/serial",
+            ckpt_step=5,
+            **MODERN_SP,
+        )
         out.update({f"resumed{resumed_stage}/{name}": value for name, value in result.items()})
     flags, saved_stage, resumed_stage = EXPERT_TP_LAYOUTS[world]
     _train_in_layout(corpus, zero_stage=saved_stage, save=f"{folder}/etp2_w{world}", save_interval=5, **flags)
@@ -161,14 +239,21 @@ def serial(corpus, folder) -> dict[str, dict[str, torch.Tensor]]:
     grid = single_process_grid(torch.device("cpu"))
     # the modern runs save at iteration 5 for the tensor-parallel resumes
     saved = {"modern": f"{folder}/serial", "modern_moe": f"{folder}/serial_moe"}
-    return {arch: _train(corpus, 1, grid, **flags, **({"save": saved[arch], "save_interval": 5} if arch in saved else {}))
-            for arch, flags in ARCHITECTURES.items()}
+    return {
+        arch: _train(corpus, 1, grid, **flags, **({"save": saved[arch], "save_interval": 5} if arch in saved else {}))
+        for arch, flags in ARCHITECTURES.items()
+    }
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
     """Parameters equal (round-off of sums in another order), and the losses of the iterations both ran."""
-    torch.testing.assert_close(got["losses"], want["losses"][len(want["losses"]) - len(got["losses"]):], rtol=1e-5, atol=0,
-                               msg=f"{what}losses")
+    torch.testing.assert_close(
+        got["losses"],
+        want["losses"][len(want["losses"]) - len(got["losses"]) :],
+        rtol=1e-5,
+        atol=0,
+        msg=f"{what}losses",
+    )
     for name, value in want.items():
         if name != "losses":
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=2e-6, msg=f"{what}{name}")
@@ -176,7 +261,10 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_between_layouts(
-    corpus, serial, folder, world: int,
+    corpus,
+    serial,
+    folder,
+    world: int,
 ) -> None:
     results = run_distributed(_on_rank, world, corpus, folder)
     for key, _ in _runs(world, folder):
@@ -188,32 +276,53 @@ def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_betwee
         for rank, result in enumerate(results):
             for name, value in want.items():
                 if name != "losses":  # the split GEMMs and the vocabulary-parallel loss sum in another order
-                    torch.testing.assert_close(result[f"{key}/{name}"], value, rtol=1e-5, atol=2e-6,
-                                               msg=f"rank {rank} {key}/{name}")
+                    torch.testing.assert_close(
+                        result[f"{key}/{name}"], value, rtol=1e-5, atol=2e-6, msg=f"rank {rank} {key}/{name}"
+                    )
     # the single process's checkpoint resumed under TP=2 at stage 0 and 3 (losses of DP shares averaged)
     for stage in (0, 3):
-        resumed = {name[len(f"resumed{stage}/"):]: value for name, value in results[0].items() if name.startswith(f"resumed{stage}/")}
+        resumed = {
+            name[len(f"resumed{stage}/") :]: value
+            for name, value in results[0].items()
+            if name.startswith(f"resumed{stage}/")
+        }
         resumed["losses"] = torch.stack([r[f"resumed{stage}/losses"] for r in results]).mean(0)
         assert len(resumed["losses"]) == 5
         assert_same(resumed, serial["modern"], f"TP=2 x DP={world // 2} resumed at stage {stage} from one process: ")
     # and this layout's checkpoint resumed by one process, at stage 0 and stage 3
     grid = single_process_grid(torch.device("cpu"))
     for stage in (0, 3):
-        resumed = _train(corpus, 1, grid, zero_stage=stage, load=f"{folder}/tp2_w{world}", ckpt_step=5, **ARCHITECTURES["modern"])
+        resumed = _train(
+            corpus, 1, grid, zero_stage=stage, load=f"{folder}/tp2_w{world}", ckpt_step=5, **ARCHITECTURES["modern"]
+        )
         assert_same(resumed, serial["modern"], f"one process at stage {stage} resumed from TP=2 x DP={world // 2}: ")
     # split experts: one process's MoE checkpoint resumed under expert-TP, and expert-TP's by one process
-    resumed = {name[len("moe_resumed/"):]: value for name, value in results[0].items() if name.startswith("moe_resumed/")}
+    resumed = {
+        name[len("moe_resumed/") :]: value for name, value in results[0].items() if name.startswith("moe_resumed/")
+    }
     resumed["losses"] = torch.stack([r["moe_resumed/losses"] for r in results]).mean(0)
     assert_same(resumed, serial["modern_moe"], f"expert-TP=2 on {world} ranks resumed from one process: ")
     for stage in (0, 3):
-        resumed = _train(corpus, 1, grid, zero_stage=stage, load=f"{folder}/etp2_w{world}", ckpt_step=5,
-                         **ARCHITECTURES["modern_moe"])
-        assert_same(resumed, serial["modern_moe"], f"one process at stage {stage} resumed from expert-TP=2 on {world} ranks: ")
+        resumed = _train(
+            corpus,
+            1,
+            grid,
+            zero_stage=stage,
+            load=f"{folder}/etp2_w{world}",
+            ckpt_step=5,
+            **ARCHITECTURES["modern_moe"],
+        )
+        assert_same(
+            resumed, serial["modern_moe"], f"one process at stage {stage} resumed from expert-TP=2 on {world} ranks: "
+        )
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"sequence_parallel": True}, "--sequence-parallel splits the activations between tensor-parallel regions"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"sequence_parallel": True}, "--sequence-parallel splits the activations between tensor-parallel regions"),
+    ],
+)
 def test_what_tensor_parallelism_does_not_cover_yet_stops_with_one_sentence(corpus, flags, message) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(corpus, **flags)

@@ -8,16 +8,31 @@ import sentencepiece
 
 from megatron.data import tokenizer_training
 from megatron.data.tokenizer import (
+    _PRETOKENIZE,
     GPT2BPETokenizer,
     SentencePieceTokenizer,
     _bytes_to_unicode,
-    _PRETOKENIZE,
     build_tokenizer,
     padded_vocab_size,
 )
 from megatron.errors import ConfigError, DataError
 
-WORDS = "the quick brown fox jumps over lazy dog data model token train expert layer".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "data",
+    "model",
+    "token",
+    "train",
+    "expert",
+    "layer",
+]
 
 
 def write_corpus(path, lines=400, seed=0):

@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron import training_log
+from megatron.checkpoint import tensors as state_io
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron import training_log
-from megatron.checkpoint import tensors as state_io
 from megatron.training import Trainer, run_summary
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
@@ -34,19 +34,35 @@ def test_run_summary_names_every_parallel_size_above_one(corpus):
 
 
 def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
-    config = tiny_config(corpus, train_iters=60, eval_interval=30, eval_at_start=True, lr=1e-2, min_lr=1e-3,
-                         tensorboard_dir=str(tmp_path / "tb"))
+    config = tiny_config(
+        corpus,
+        train_iters=60,
+        eval_interval=30,
+        eval_at_start=True,
+        lr=1e-2,
+        min_lr=1e-3,
+        tensorboard_dir=str(tmp_path / "tb"),
+    )
     result = Trainer(config, SINGLE).train()
     (_, first), *_, (_, last) = result.validation
     # ln(60) = 4.09 is the loss of guessing uniformly among the used tokens: the model must beat it
     assert first > 4.5 and last < 3.6, result.validation
     out = capsys.readouterr().out
-    assert out.startswith(" > run: world size 1 | data-parallel 1 | expert-parallel 1 | ZeRO stage 0 | precision fp32 | "
-                          "optimizer AdamW | optimizer offload none | parameter offload none | "
-                          "global batch 4 = micro batch 2 x accumulation 2 x data-parallel 1\n")
+    assert out.startswith(
+        " > run: world size 1 | data-parallel 1 | expert-parallel 1 | ZeRO stage 0 | precision fp32 | "
+        "optimizer AdamW | optimizer offload none | parameter offload none | "
+        "global batch 4 = micro batch 2 x accumulation 2 x data-parallel 1\n"
+    )
     assert "iteration       60/      60 | consumed samples:          240 | consumed tokens:           3840" in out
-    for field in ("lm loss:", "grad norm:", "learning rate:", "tokens per second:", "TFLOP/s:",
-                  "validation loss at iteration 60 | lm loss value:", "lm loss PPL:"):
+    for field in (
+        "lm loss:",
+        "grad norm:",
+        "learning rate:",
+        "tokens per second:",
+        "TFLOP/s:",
+        "validation loss at iteration 60 | lm loss value:",
+        "lm loss PPL:",
+    ):
         assert field in out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -58,7 +74,12 @@ def test_loss_falls_and_run_is_logged(corpus, tmp_path, capsys):
 
 def test_long_work_reports_progress_when_the_log_is_quiet(corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(training_log, "PROGRESS_SECONDS", 0.0)  # as if every step took longer than the limit
-    Trainer(tiny_config(corpus, train_iters=2, eval_iters=2, log_interval=10, lr_warmup_iters=1, save=str(tmp_path / "ckpt")), SINGLE).train()
+    Trainer(
+        tiny_config(
+            corpus, train_iters=2, eval_iters=2, log_interval=10, lr_warmup_iters=1, save=str(tmp_path / "ckpt")
+        ),
+        SINGLE,
+    ).train()
     out = capsys.readouterr().out
     for line in (" > iterations done: 1/2", " > evaluation micro-batches: 4/4", " > saving checkpoint at iteration 2"):
         assert line in out
@@ -84,8 +105,13 @@ def test_checkpoint_layout_is_safetensors_and_json(corpus, tmp_path):
     assert read_latest(str(save))[0] == 6
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000006", LATEST_FILE]
     files = sorted(p.name for p in (save / "iter_0000006").iterdir())
-    assert files == ["engine.json", "manifest.json", "model_rank00000.safetensors", "optimizer_rank00000.safetensors",
-                     "rng_rank00000.safetensors"]
+    assert files == [
+        "engine.json",
+        "manifest.json",
+        "model_rank00000.safetensors",
+        "optimizer_rank00000.safetensors",
+        "rng_rank00000.safetensors",
+    ]
     manifest = json.loads((save / "iter_0000006" / "manifest.json").read_text())
     assert manifest["format_version"] == 1 and sorted(manifest["files"]) == [f for f in files if f != "manifest.json"]
     assert manifest["run"]["iteration"] == 6 and manifest["run"]["consumed_tokens"] == 24 * 16
@@ -125,7 +151,9 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(corpus, tmp_path, monk
         real_save(path, tensors, metadata)
 
     monkeypatch.setattr("megatron.checkpoint.save.save_tensors", failing_save)
-    with pytest.raises(CheckpointError, match=r"saving .*iter_0000004 failed on rank 0 \(disk full\); the partial folder was removed"):
+    with pytest.raises(
+        CheckpointError, match=r"saving .*iter_0000004 failed on rank 0 \(disk full\); the partial folder was removed"
+    ):
         trainer.train()
     assert read_latest(str(save))[0] == 2
     assert not (save / "iter_0000004").exists() and not (save / "iter_0000004.tmp").exists()

@@ -18,8 +18,10 @@ def test_native_extension_is_built():
 
 
 # whole 8 x 8 tiles, partial tiles at both edges, a block narrower than one tile, no rows kept
-@pytest.mark.parametrize("p, k, rows", [(512, 2048, 500), (64, 40, 64), (13, 7, 5), (8, 8, 8), (16, 24, 0),
-                                        (33, 17, 33), (128, 512, 121), (1, 9, 1)])
+@pytest.mark.parametrize(
+    "p, k, rows",
+    [(512, 2048, 500), (64, 40, 64), (13, 7, 5), (8, 8, 8), (16, 24, 0), (33, 17, 33), (128, 512, 121), (1, 9, 1)],
+)
 def test_matches_torch(p, k, rows):
     a_pK = torch.randn(p, k, generator=torch.Generator().manual_seed(p * k + rows))
     got = transposed_padded(a_pK, rows)

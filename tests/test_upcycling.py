@@ -16,10 +16,20 @@ from megatron.upcycling import check_upcycling, upcycle
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 
-DENSE = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16,
-                  ffn_hidden_size=64, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
-MODERN = dict(swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
-              num_query_groups=2)
+DENSE = GPTConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    max_position_embeddings=16,
+    ffn_hidden_size=64,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    init_method_std=0.1,
+)
+MODERN = dict(
+    swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2
+)
 
 
 def dropless(topk: int) -> MoEConfig:
@@ -45,18 +55,26 @@ TOKENS = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0
 SIGMOID = dict(router_score_function="sigmoid", router_enable_expert_bias=True, router_topk_scaling_factor=2.5)
 
 
-@pytest.mark.parametrize("extra, experts, ffn, topk, mlp_type, routing", [
-    ({}, 4, 64, 2, "standard", {}),  # GELU experts with biases, each a whole copy
-    (MODERN, 4, 32, 2, "standard", {}),  # SwiGLU without biases, 2 slices of the dense MLP per copy
-    ({}, 8, 16, 4, "standard", {}),  # 4 slices, top-4 (DeepSpeed's top-k path)
-    ({"swiglu": True}, 4, 64, 2, "residual", {}),  # PR-MoE: the residual MLP is the dense MLP
-    ({}, 8, 32, 4, "standard", SIGMOID),  # normalised sigmoid gates that sum to the scaling factor
-    (MODERN, 4, 64, 2, "standard", {"router_score_function": "softmax"}),  # Megatron-Core's softmax
-])
+@pytest.mark.parametrize(
+    "extra, experts, ffn, topk, mlp_type, routing",
+    [
+        ({}, 4, 64, 2, "standard", {}),  # GELU experts with biases, each a whole copy
+        (MODERN, 4, 32, 2, "standard", {}),  # SwiGLU without biases, 2 slices of the dense MLP per copy
+        ({}, 8, 16, 4, "standard", {}),  # 4 slices, top-4 (DeepSpeed's top-k path)
+        ({"swiglu": True}, 4, 64, 2, "residual", {}),  # PR-MoE: the residual MLP is the dense MLP
+        ({}, 8, 32, 4, "standard", SIGMOID),  # normalised sigmoid gates that sum to the scaling factor
+        (MODERN, 4, 64, 2, "standard", {"router_score_function": "softmax"}),  # Megatron-Core's softmax
+    ],
+)
 def test_upcycled_model_computes_what_the_dense_model_computes(extra, experts, ffn, topk, mlp_type, routing):
     dense = replace(DENSE, **extra)
-    moe = replace(dense, num_experts=(experts,), moe_ffn_hidden_size=ffn, mlp_type=mlp_type,
-                  moe=replace(dropless(topk), use_residual=mlp_type == "residual", **routing))
+    moe = replace(
+        dense,
+        num_experts=(experts,),
+        moe_ffn_hidden_size=ffn,
+        mlp_type=mlp_type,
+        moe=replace(dropless(topk), use_residual=mlp_type == "residual", **routing),
+    )
     check_upcycling(moe, dense, "dense")
     dense_model, moe_model, line = dense_and_upcycled(dense, moe)
     with torch.no_grad():
@@ -88,8 +106,11 @@ def _upcycle_under_ep(ep_size: int) -> dict[str, torch.Tensor]:
     dense_model, moe_model, _ = dense_and_upcycled(replace(DENSE, **MODERN), moe, grid.ep_group)
     experts = moe_model.layers[1].mlp.experts
     with torch.no_grad():
-        return {"moe": moe_model(TOKENS), "dense": dense_model(TOKENS),
-                **{f"w1[{g}]": experts.w1[i].clone() for i, g in enumerate(experts.w1.expert_global_ids)}}
+        return {
+            "moe": moe_model(TOKENS),
+            "dense": dense_model(TOKENS),
+            **{f"w1[{g}]": experts.w1[i].clone() for i, g in enumerate(experts.w1.expert_global_ids)},
+        }
 
 
 def test_upcycling_under_expert_parallelism_gives_each_rank_its_experts():
@@ -102,14 +123,20 @@ def test_upcycling_under_expert_parallelism_gives_each_rank_its_experts():
                 torch.testing.assert_close(result[key], single[key], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_experts": (1,)}, "the flags give none"),
-    ({"hidden_size": 48, "num_experts": (4,)}, r"hidden_size 32 there, 48 here"),
-    ({"num_experts": (4,), "moe_ffn_hidden_size": 24}, "--moe-ffn-hidden-size 24 does not divide"),
-    ({"num_experts": (6,), "moe_ffn_hidden_size": 16}, "6 experts are not a multiple of the 4 slices"),
-    ({"num_experts": (4,), "moe_ffn_hidden_size": 32, "moe": dropless(1)}, "--moe-router-topk 1 does not choose whole"),
-    ({"num_experts": (4,), "moe_shared_expert_intermediate_size": 16}, "cannot start shared experts"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts": (1,)}, "the flags give none"),
+        ({"hidden_size": 48, "num_experts": (4,)}, r"hidden_size 32 there, 48 here"),
+        ({"num_experts": (4,), "moe_ffn_hidden_size": 24}, "--moe-ffn-hidden-size 24 does not divide"),
+        ({"num_experts": (6,), "moe_ffn_hidden_size": 16}, "6 experts are not a multiple of the 4 slices"),
+        (
+            {"num_experts": (4,), "moe_ffn_hidden_size": 32, "moe": dropless(1)},
+            "--moe-router-topk 1 does not choose whole",
+        ),
+        ({"num_experts": (4,), "moe_shared_expert_intermediate_size": 16}, "cannot start shared experts"),
+    ],
+)
 def test_a_model_that_cannot_be_upcycled_is_refused_with_the_reason(change, message):
     with pytest.raises(ConfigError, match=message):
         check_upcycling(replace(DENSE, **change), DENSE, "dense")

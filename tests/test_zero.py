@@ -43,7 +43,9 @@ class Net(nn.Module):
 # stage 3 with every parameter partitioned (no persistent small ones) and a prefetch of about
 # one module; stage 2 with small buckets reduced while backward runs
 ZERO = {
-    0: {"stage": 0}, 1: {"stage": 1}, 2: {"stage": 2},
+    0: {"stage": 0},
+    1: {"stage": 1},
+    2: {"stage": 2},
     "2-buckets": {"stage": 2, "reduce_bucket_size": 100, "overlap_comm": True},
     3: {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 300},
     "3-sync": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": False},
@@ -53,9 +55,11 @@ PARTITIONED = (1, 2, "2-buckets", 3, "3-sync")
 
 def make_engine(grid: ParallelGrid, moe: bool, stage: int | str) -> Engine:
     config = {
-        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-        "gradient_clipping": 0.5, "zero_optimization": ZERO[stage],
+        "gradient_clipping": 0.5,
+        "zero_optimization": ZERO[stage],
     }
     return initialize(Net(moe, grid.ep_group), config, grid)
 
@@ -66,10 +70,13 @@ def train(engine: Engine, first: int, last: int, save: str | None = None) -> Non
     rows = GLOBAL_BATCH // grid.dp_size
     for step in range(first, last):
         generator = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 3, H, generator=generator), 5 * torch.randn(GLOBAL_BATCH, 3, 1, generator=generator)
-        x, y = x[grid.dp_rank * rows:(grid.dp_rank + 1) * rows], y[grid.dp_rank * rows:(grid.dp_rank + 1) * rows]
+        x, y = (
+            torch.randn(GLOBAL_BATCH, 3, H, generator=generator),
+            5 * torch.randn(GLOBAL_BATCH, 3, 1, generator=generator),
+        )
+        x, y = x[grid.dp_rank * rows : (grid.dp_rank + 1) * rows], y[grid.dp_rank * rows : (grid.dp_rank + 1) * rows]
         for micro in range(0, rows, MICRO_BATCH):
-            engine.backward(((engine(x[micro:micro + MICRO_BATCH]) - y[micro:micro + MICRO_BATCH]) ** 2).mean())
+            engine.backward(((engine(x[micro : micro + MICRO_BATCH]) - y[micro : micro + MICRO_BATCH]) ** 2).mean())
             engine.step()
         if save is not None and step + 1 == SAVE_AT:
             engine.save_checkpoint(save, "ckpt")
@@ -118,6 +125,7 @@ def deep_stack_peak(grid: ParallelGrid, prefetch: int) -> tuple[int, int]:
     def recording_attach(bucket: Any, full: torch.Tensor) -> None:
         attach(bucket, full)
         gathered.append(weakref.ref(part.params[bucket.params[0]].untyped_storage()))
+
     part._attach = recording_attach
     for step in range(3):
         x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
@@ -142,11 +150,15 @@ def _two_ranks(save: str) -> dict[str, torch.Tensor]:
             label = f"moe{moe:d}-ep{ep}-stage{stage}"
             out[f"numel/{label}"] = torch.tensor(state_numel(engine))
             out[f"held/{label}"] = torch.tensor(held_parameter_numel(engine))
-            out[f"grads/{label}"] = torch.tensor(sum(p.grad.numel() for p in engine.module.parameters() if p.grad is not None))
+            out[f"grads/{label}"] = torch.tensor(
+                sum(p.grad.numel() for p in engine.module.parameters() if p.grad is not None)
+            )
             out.update(parameters(engine, label))
     # saved with EP=1 under stage 1 (stage 3): load with EP=2 under stage 3 (stage 2)
     for prefetch in (0, 2 * LAYER_NUMEL):
-        out[f"peak/prefetch{prefetch}"], out[f"alive/prefetch{prefetch}"] = map(torch.tensor, deep_stack_peak(grids[1], prefetch))
+        out[f"peak/prefetch{prefetch}"], out[f"alive/prefetch{prefetch}"] = map(
+            torch.tensor, deep_stack_peak(grids[1], prefetch)
+        )
     for saved, loaded in ((1, 3), (3, 2)):
         resumed = make_engine(grids[2], True, loaded)
         resumed.load_checkpoint(save + f"/stage{saved}", "ckpt")
@@ -180,10 +192,16 @@ def test_stages_1_to_3_equal_stage_0_and_one_process(two_ranks, moe, ep):
             assert keys
             for key in keys:
                 name = key.split("/", 1)[1]
-                torch.testing.assert_close(result[key], result[f"moe{moe:d}-ep{ep}-stage0/{name}"], rtol=1e-5,
-                                           atol=1e-6, msg=f"rank {rank} {key} vs stage 0")
-                torch.testing.assert_close(result[key], single[f"single/{name}"], rtol=1e-4, atol=1e-5,
-                                           msg=f"rank {rank} {key} vs one process")
+                torch.testing.assert_close(
+                    result[key],
+                    result[f"moe{moe:d}-ep{ep}-stage0/{name}"],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=f"rank {rank} {key} vs stage 0",
+                )
+                torch.testing.assert_close(
+                    result[key], single[f"single/{name}"], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {key} vs one process"
+                )
 
 
 def test_optimizer_state_per_rank_is_about_half(two_ranks):
@@ -238,7 +256,8 @@ def test_checkpoint_from_stage_1_or_3_loads_under_one_process_and_other_stages_e
 
 # GPT with a tied embedding (read again by the LM head), MoE layers and recomputed activations
 RUNS = {
-    "dense": {}, "moe": {"num_experts": 4, "checkpoint_activations": True},
+    "dense": {},
+    "moe": {"num_experts": 4, "checkpoint_activations": True},
     "modern": MODERN_MOE,
 }
 
@@ -249,12 +268,23 @@ def _trainer_parameters(corpus: str, stage3_json: str) -> dict[str, torch.Tensor
     for run, flags in RUNS.items():
         for stage in (0, 1, 2, 3):
             zero = {"zero_stage": stage} if stage < 3 else {"deepspeed": True, "deepspeed_config": stage3_json}
-            config = tiny_config(corpus, dp_size=grid.dp_size, train_iters=4, micro_batch_size=1, global_batch_size=4,
-                                 hidden_dropout=0.0, attention_dropout=0.0, **zero, **flags)
+            config = tiny_config(
+                corpus,
+                dp_size=grid.dp_size,
+                train_iters=4,
+                micro_batch_size=1,
+                global_batch_size=4,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                **zero,
+                **flags,
+            )
             trainer = Trainer(config, grid)
             out[f"{run}{stage}/losses"] = torch.tensor(trainer.train().losses, dtype=torch.float64)
             with trainer.engine.whole_parameters():
-                out.update({f"{run}{stage}/{name}": p.detach().clone() for name, p in trainer.engine.module.named_parameters()})
+                out.update(
+                    {f"{run}{stage}/{name}": p.detach().clone() for name, p in trainer.engine.module.named_parameters()}
+                )
     return out
 
 
@@ -270,8 +300,9 @@ def test_trainer_with_zero_stage_flag_or_json_equals_stage_0(tmp_path):
                 name = key.split("/", 1)[1]
                 for stage in (1, 2, 3):
                     # each stage sums gradients in its own order: round-off differs by CPU (AMD EPYC: ~1e-5)
-                    torch.testing.assert_close(result[f"{run}{stage}/{name}"], result[key], rtol=1e-4, atol=1e-5,
-                                               msg=f"{run}{stage}/{name}")
+                    torch.testing.assert_close(
+                        result[f"{run}{stage}/{name}"], result[key], rtol=1e-4, atol=1e-5, msg=f"{run}{stage}/{name}"
+                    )
 
 
 def _four_ranks(two_rank_save: str, save: str) -> dict[str, torch.Tensor]:
@@ -300,21 +331,27 @@ def test_four_ranks_equal_one_process_with_a_quarter_of_the_dense_state_and_chec
             for stage in (1, 2, 3):
                 label = f"moe{moe:d}-stage{stage}"
                 for key in (k for k in result if k.startswith(label + "/")):
-                    torch.testing.assert_close(result[key], single[f"single/{key.split('/', 1)[1]}"], rtol=1e-4,
-                                               atol=1e-5, msg=f"rank {rank} {key}")
+                    torch.testing.assert_close(
+                        result[key],
+                        single[f"single/{key.split('/', 1)[1]}"],
+                        rtol=1e-4,
+                        atol=1e-5,
+                        msg=f"rank {rank} {key}",
+                    )
                 if not moe:  # padding to a multiple of 4 adds at most 3 elements per bucket (5 under stage 3)
                     assert int(result[f"numel/{label}"]) <= full_state // 4 + 2 * 3 * (5 if stage == 3 else 2)
     # saved on 4 ranks under stage 3, resumed in one process; saved on 2 ranks, resumed on 4
     uninterrupted = single_process(True)
     from_four = single_process(True, load=str(tmp_path))
-    for rank, result in enumerate(results):
+    for result in results:
         keys = [k for k in result if k.startswith("resumed/")]
         assert keys
         for key in keys:
             name = key.split("/", 1)[1]
             torch.testing.assert_close(result[key], uninterrupted[f"single/{name}"], rtol=1e-4, atol=1e-5, msg=key)
-            torch.testing.assert_close(from_four[f"single/{name}"], result[f"moe1-stage3/{name}"], rtol=1e-4, atol=1e-5,
-                                       msg=name)
+            torch.testing.assert_close(
+                from_four[f"single/{name}"], result[f"moe1-stage3/{name}"], rtol=1e-4, atol=1e-5, msg=name
+            )
 
 
 def test_buffer_pool_reuses_only_buffers_nothing_else_views():

@@ -12,7 +12,14 @@ from megatron.config.runtime_schema import ZeroConfig
 from megatron.runtime.zero.gatherer import ParameterGatherer
 from megatron.runtime.zero.param_partition import ParamPartition
 from megatron.runtime.zero.residency import (
-    NEXT, BucketEvent, GathererPhase, IllegalTransition, Phase, Residency, ResidencyLedger, StepEvent,
+    NEXT,
+    BucketEvent,
+    GathererPhase,
+    IllegalTransition,
+    Phase,
+    Residency,
+    ResidencyLedger,
+    StepEvent,
 )
 from megatron.runtime.zero.stages import buckets_by_module
 
@@ -25,22 +32,35 @@ def test_a_bucket_cycles_free_gathering_live_free_and_the_counts_follow() -> Non
     ledger.record("b", BucketEvent.GATHER_STARTED)
     assert (ledger.live_numel, ledger.inflight_numel, ledger.gathering) == (15, 15, ["a", "b"])
     ledger.record("a", BucketEvent.GATHER_FINISHED)
-    assert (ledger.state["a"], ledger.live_numel, ledger.inflight_numel, ledger.gathering) == (Residency.LIVE, 15, 5, ["b"])
+    assert (ledger.state["a"], ledger.live_numel, ledger.inflight_numel, ledger.gathering) == (
+        Residency.LIVE,
+        15,
+        5,
+        ["b"],
+    )
     ledger.record("a", BucketEvent.RELEASED)
     ledger.record("b", BucketEvent.GATHER_FINISHED)
-    assert (ledger.state["a"], ledger.state["b"], ledger.live_numel, ledger.inflight_numel) == (Residency.FREE, Residency.LIVE, 5, 0)
+    assert (ledger.state["a"], ledger.state["b"], ledger.live_numel, ledger.inflight_numel) == (
+        Residency.FREE,
+        Residency.LIVE,
+        5,
+        0,
+    )
     ledger.record("b", BucketEvent.RELEASED)
     assert (ledger.live_numel, ledger.peak_live_numel) == (0, 15)
 
 
-@pytest.mark.parametrize("state, event", [
-    (s, e) for s, e in itertools.product(Residency, BucketEvent) if (s, e) not in NEXT
-])
+@pytest.mark.parametrize(
+    "state, event", [(s, e) for s, e in itertools.product(Residency, BucketEvent) if (s, e) not in NEXT]
+)
 def test_every_transition_outside_the_table_raises_and_changes_nothing(state: Residency, event: BucketEvent) -> None:
     ledger = ResidencyLedger()
     ledger.add("a", 3)
-    path = {Residency.FREE: [], Residency.GATHERING: [BucketEvent.GATHER_STARTED],
-            Residency.LIVE: [BucketEvent.GATHER_STARTED, BucketEvent.GATHER_FINISHED]}[state]
+    path = {
+        Residency.FREE: [],
+        Residency.GATHERING: [BucketEvent.GATHER_STARTED],
+        Residency.LIVE: [BucketEvent.GATHER_STARTED, BucketEvent.GATHER_FINISHED],
+    }[state]
     for step in path:
         ledger.record("a", step)
     before = (ledger.state["a"], ledger.live_numel, ledger.inflight_numel, list(ledger.gathering))

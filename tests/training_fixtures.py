@@ -30,12 +30,27 @@ def write_corpus(folder: Path, documents: int = 200, seed: int = 0, vocab: int =
 
 def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
     flags: dict[str, object] = {
-        "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16,
-        "micro-batch-size": 2, "global-batch-size": 4, "train-iters": 20, "lr": 3e-3,
-        "lr-warmup-iters": 2, "lr-decay-style": "cosine", "min-lr": 3e-4,
-        "tokenizer-type": "NullTokenizer", "vocab-size": VOCAB + 1, "data-path": data_prefix,
-        "split": "90,10,0", "log-interval": 5, "eval-interval": 10, "eval-iters": 2,
-        "num-workers": 0, "hidden-dropout": 0.1, "attention-dropout": 0.1,
+        "num-layers": 2,
+        "hidden-size": 32,
+        "num-attention-heads": 4,
+        "seq-length": 16,
+        "micro-batch-size": 2,
+        "global-batch-size": 4,
+        "train-iters": 20,
+        "lr": 3e-3,
+        "lr-warmup-iters": 2,
+        "lr-decay-style": "cosine",
+        "min-lr": 3e-4,
+        "tokenizer-type": "NullTokenizer",
+        "vocab-size": VOCAB + 1,
+        "data-path": data_prefix,
+        "split": "90,10,0",
+        "log-interval": 5,
+        "eval-interval": 10,
+        "eval-iters": 2,
+        "num-workers": 0,
+        "hidden-dropout": 0.1,
+        "attention-dropout": 0.1,
     }
     flags.update({key.replace("_", "-"): value for key, value in overrides.items()})
     argv: list[str] = []
@@ -52,10 +67,21 @@ def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
 
 # today's MoE architecture, for tests that check it composes with a feature: SwiGLU bias-free fine-grained and
 # shared experts, sigmoid routing with expert bias, RMSNorm, GQA, rope, an untied output layer
-MODERN_MOE = {"num_experts": 4, "topk": 2, "swiglu": True, "disable_bias_linear": True, "moe_ffn_hidden_size": 16,
-              "moe_shared_expert_intermediate_size": 16, "moe_router_score_function": "sigmoid",
-              "moe_router_enable_expert_bias": True, "normalization": "RMSNorm", "group_query_attention": True,
-              "num_query_groups": 2, "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True}
+MODERN_MOE = {
+    "num_experts": 4,
+    "topk": 2,
+    "swiglu": True,
+    "disable_bias_linear": True,
+    "moe_ffn_hidden_size": 16,
+    "moe_shared_expert_intermediate_size": 16,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "normalization": "RMSNorm",
+    "group_query_attention": True,
+    "num_query_groups": 2,
+    "position_embedding_type": "rope",
+    "untie_embeddings_and_output_weights": True,
+}
 
 
 def tiny_config(data_prefix: str, dp_size: int = 1, **overrides: object) -> PretrainConfig:

@@ -18,23 +18,30 @@ from pathlib import Path
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.config.parser import FlagParser, positive_int  # noqa: E402
-from megatron.plotting import line_chart, png_bytes  # noqa: E402
+from megatron.config.parser import FlagParser, positive_int
+from megatron.plotting import line_chart, png_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 # the demo's model and schedule (examples_deepspeed/pretrain_gpt_demo.sh), top-2, dropless
-MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --num-experts 8 --expert-interval 1 "
-         "--topk 2 --disable-moe-token-dropping --micro-batch-size 8 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4 "
-         "--lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 "
-         "--hidden-dropout 0.0 --attention-dropout 0.0 --split 949,50,1 --num-workers 0 --log-interval 5 "
-         "--eval-iters 4 --eval-at-start --seed 1234")
+MODEL = (
+    "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --num-experts 8 --expert-interval 1 "
+    "--topk 2 --disable-moe-token-dropping --micro-batch-size 8 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4 "
+    "--lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 "
+    "--hidden-dropout 0.0 --attention-dropout 0.0 --split 949,50,1 --num-workers 0 --log-interval 5 "
+    "--eval-iters 4 --eval-at-start --seed 1234"
+)
 VARIANTS = [  # (label, flags)
     ("softmax top-2, aux loss 0.01 (DeepSpeed)", "--moe-loss-coeff 0.01"),
     ("sigmoid top-2, aux loss 0.01", "--moe-router-score-function sigmoid --moe-loss-coeff 0.01"),
     # DeepSeek-V3's rate moves a bias by at most 0.2 in 200 steps; a short run needs a faster one
-    *((f"sigmoid top-2, expert bias {rate}, no aux loss",
-       f"--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate {rate} "
-       "--moe-router-load-balancing-type none") for rate in ("1e-3", "3e-3", "1e-2")),
+    *(
+        (
+            f"sigmoid top-2, expert bias {rate}, no aux loss",
+            f"--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate {rate} "
+            "--moe-router-load-balancing-type none",
+        )
+        for rate in ("1e-3", "3e-3", "1e-2")
+    ),
 ]
 COLORS = [(40, 40, 40), (30, 90, 200), (230, 140, 0), (30, 160, 60), (210, 30, 30)]
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
@@ -43,10 +50,22 @@ IMBALANCE = re.compile(r"layer \d+: imbalance ([0-9.]+)")
 
 
 def train(demo: Path, flags: str, iterations: int, eval_interval: int) -> str:
-    command = [sys.executable, str(REPO / "pretrain_gpt.py"), *MODEL.split(), *flags.split(),
-               "--train-iters", str(iterations), "--eval-interval", str(eval_interval),
-               "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(demo / "tokenizer.model"),
-               "--data-path", str(demo / "corpus_text_document")]
+    command = [
+        sys.executable,
+        str(REPO / "pretrain_gpt.py"),
+        *MODEL.split(),
+        *flags.split(),
+        "--train-iters",
+        str(iterations),
+        "--eval-interval",
+        str(eval_interval),
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(demo / "tokenizer.model"),
+        "--data-path",
+        str(demo / "corpus_text_document"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if done.returncode:
         sys.exit(f"error: training failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -74,25 +93,43 @@ def study(demo: Path, iterations: int, eval_interval: int) -> list[dict]:
         validation = [(int(it), float(loss)) for it, loss in VALIDATION.findall(log)]
         imbalance = imbalance_curve(log)
         last = [value for _, value in imbalance[-4:]]  # the last 20 iterations
-        results.append({"label": label, "flags": flags, "validation": validation, "imbalance": imbalance,
-                        "final_validation_loss": validation[-1][1], "final_imbalance": sum(last) / len(last)})
-        print(f"    validation loss {validation[0][1]:.3f} -> {validation[-1][1]:.3f}, "
-              f"imbalance over the last 20 iterations {results[-1]['final_imbalance']:.2f}", flush=True)
+        results.append(
+            {
+                "label": label,
+                "flags": flags,
+                "validation": validation,
+                "imbalance": imbalance,
+                "final_validation_loss": validation[-1][1],
+                "final_imbalance": sum(last) / len(last),
+            }
+        )
+        print(
+            f"    validation loss {validation[0][1]:.3f} -> {validation[-1][1]:.3f}, "
+            f"imbalance over the last 20 iterations {results[-1]['final_imbalance']:.2f}",
+            flush=True,
+        )
     return results
 
 
 def table(results: list[dict], iterations: int) -> str:
-    lines = [f"{iterations} iterations of 16 x 256 tokens per run.", "",
-             "| variant | final validation loss | imbalance, last 20 iterations (max/mean tokens per expert) |",
-             "| --- | ---: | ---: |"]
+    lines = [
+        f"{iterations} iterations of 16 x 256 tokens per run.",
+        "",
+        "| variant | final validation loss | imbalance, last 20 iterations (max/mean tokens per expert) |",
+        "| --- | ---: | ---: |",
+    ]
     lines += [f"| {r['label']} | {r['final_validation_loss']:.3f} | {r['final_imbalance']:.2f} |" for r in results]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=Path("docs/balancing"),
-                        help="writes OUTPUT_imbalance.png, OUTPUT_loss.png and OUTPUT.json")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("docs/balancing"),
+        help="writes OUTPUT_imbalance.png, OUTPUT_loss.png and OUTPUT.json",
+    )
     parser.add_argument("--demo-dir", type=Path, default=REPO / "demo_output", help="where `make demo` put the corpus")
     parser.add_argument("--train-iters", type=positive_int, default=200)
     parser.add_argument("--eval-interval", type=positive_int, default=50)
@@ -104,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     for suffix, key in (("_imbalance", "imbalance"), ("_loss", "validation")):
         curves = [([(float(it), value) for it, value in r[key] if it > 0], COLORS[i]) for i, r in enumerate(results)]
         args.output.with_name(args.output.name + suffix + ".png").write_bytes(png_bytes(line_chart(curves)))
-    args.output.with_suffix(".json").write_text(json.dumps({"train_iters": args.train_iters, "runs": results}, indent=1))
+    args.output.with_suffix(".json").write_text(
+        json.dumps({"train_iters": args.train_iters, "runs": results}, indent=1)
+    )
     print(table(results, args.train_iters))
 
 

@@ -12,17 +12,15 @@ from tqdm import tqdm
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.config.parser import FlagParser, positive_float  # noqa: E402
-from megatron.entry_point import run_entry_point  # noqa: E402
+from megatron.config.parser import FlagParser, positive_float
+from megatron.entry_point import run_entry_point
 
 SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 
 
 def stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        path for path in root.rglob("*.py") if not SKIPPED_DIRS.intersection(path.relative_to(root).parts)
-    )
+    return sorted(path for path in root.rglob("*.py") if not SKIPPED_DIRS.intersection(path.relative_to(root).parts))
 
 
 def main() -> None:

@@ -1,7 +1,12 @@
 """Perplexity of a checkpoint; see megatron/inference/perplexity.py for the flags."""
-import importlib.util, os, sys  # noqa: E401
+
+import importlib.util
+import os
+import sys
+
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.inference.perplexity import main  # noqa: E402
+from megatron.inference.perplexity import main
+
 if __name__ == "__main__":
     main()

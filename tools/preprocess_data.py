@@ -1,7 +1,12 @@
 """Tokenize a corpus into .bin/.idx files; see megatron/data/preprocess.py for the flags."""
-import importlib.util, os, sys  # noqa: E401
+
+import importlib.util
+import os
+import sys
+
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.data.preprocess import main  # noqa: E402
+from megatron.data.preprocess import main
+
 if __name__ == "__main__":
     main()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.config.parser import FlagParser, positive_int  # noqa: E402
-from megatron.plotting import line_chart, png_bytes  # noqa: E402
+from megatron.config.parser import FlagParser, positive_int
+from megatron.plotting import line_chart, png_bytes
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples_deepspeed" / "MoE"
 # (label, recipe, environment); the MoS runs use the PR-MoE run's checkpoint as their teacher
@@ -50,39 +50,62 @@ def study(work: Path, train_tokens: int) -> list[dict]:
     teacher = work / "variant3" / "checkpoint" / "tiny-PR-MoE"
     results = []
     for number, (label, recipe, extra) in enumerate(VARIANTS, start=1):
-        env = {"OUTPUT_DIR": str(work / f"variant{number}"), "TEACHER_DIR": str(teacher),
-               "TINY_TRAIN_TOKENS": str(train_tokens), "TINY_EVAL_INTERVAL": "20", **extra}
+        env = {
+            "OUTPUT_DIR": str(work / f"variant{number}"),
+            "TEACHER_DIR": str(teacher),
+            "TINY_TRAIN_TOKENS": str(train_tokens),
+            "TINY_EVAL_INTERVAL": "20",
+            **extra,
+        }
         sizes = dict(SIZE.findall(run(recipe, env, dry=True)))
         print(f"[{number}/{len(VARIANTS)}] {label}: training ...", flush=True)
         log = run(recipe, env)
         curve = [(int(it), float(loss)) for it, loss in VALIDATION.findall(log)]
         speeds = [float(s) for s in SPEED.findall(log)]
-        results.append({
-            "number": number, "label": label, "recipe": recipe, "environment": extra,
-            "total_parameters": int(sizes["total parameters"].replace(",", "")),
-            "active_parameters": int(sizes["active parameters per token"].replace(",", "")),
-            "validation": curve, "final_validation_loss": curve[-1][1],
-            "tokens_per_second": sum(speeds[1:]) / max(len(speeds) - 1, 1),  # the first interval includes warm-up
-        })
-        print(f"    validation loss {curve[0][1]:.3f} -> {curve[-1][1]:.3f}, {results[-1]['tokens_per_second']:.0f} tokens/s",
-              flush=True)
+        results.append(
+            {
+                "number": number,
+                "label": label,
+                "recipe": recipe,
+                "environment": extra,
+                "total_parameters": int(sizes["total parameters"].replace(",", "")),
+                "active_parameters": int(sizes["active parameters per token"].replace(",", "")),
+                "validation": curve,
+                "final_validation_loss": curve[-1][1],
+                "tokens_per_second": sum(speeds[1:]) / max(len(speeds) - 1, 1),  # the first interval includes warm-up
+            }
+        )
+        print(
+            f"    validation loss {curve[0][1]:.3f} -> {curve[-1][1]:.3f}, {results[-1]['tokens_per_second']:.0f} tokens/s",
+            flush=True,
+        )
     return results
 
 
 def table(results: list[dict], train_tokens: int) -> str:
-    lines = [f"Equal training tokens: {train_tokens:,} per run.", "",
-             "| # | variant | total params | active params / token | final validation loss | tokens/s |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['number']} | {r['label']} | {r['total_parameters']:,} | {r['active_parameters']:,} | "
-              f"{r['final_validation_loss']:.3f} | {r['tokens_per_second']:.0f} |" for r in results]
+    lines = [
+        f"Equal training tokens: {train_tokens:,} per run.",
+        "",
+        "| # | variant | total params | active params / token | final validation loss | tokens/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r['number']} | {r['label']} | {r['total_parameters']:,} | {r['active_parameters']:,} | "
+        f"{r['final_validation_loss']:.3f} | {r['tokens_per_second']:.0f} |"
+        for r in results
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=Path("docs/quality"), help="writes OUTPUT.png and OUTPUT.json")
-    parser.add_argument("--work-dir", type=Path, default=Path("demo_output/quality_study"),
-                        help="checkpoints and logs of the runs (emptied first)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("demo_output/quality_study"),
+        help="checkpoints and logs of the runs (emptied first)",
+    )
     parser.add_argument("--train-tokens", type=positive_int, default=307200, help="per run (300 iterations of 8 x 128)")
     args = parser.parse_args(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     # from the first evaluation after the start: the untrained loss would squash the differences
     curves = [([(float(it), loss) for it, loss in r["validation"] if it > 0], COLORS[i]) for i, r in enumerate(results)]
     args.output.with_suffix(".png").write_bytes(png_bytes(line_chart(curves)))
-    args.output.with_suffix(".json").write_text(json.dumps({"train_tokens": args.train_tokens, "runs": results}, indent=1))
+    args.output.with_suffix(".json").write_text(
+        json.dumps({"train_tokens": args.train_tokens, "runs": results}, indent=1)
+    )
     print(table(results, args.train_tokens))
 
 

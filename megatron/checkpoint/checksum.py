@@ -31,7 +31,7 @@ def block_sums(raw: np.ndarray) -> np.ndarray:
     if whole == raw.size:
         return sums
     tail = np.zeros(BLOCK_BYTES, dtype=np.uint8)
-    tail[:raw.size - whole] = raw[whole:]
+    tail[: raw.size - whole] = raw[whole:]
     return np.append(sums, tail.view("<u8").sum(dtype=np.uint64))
 
 

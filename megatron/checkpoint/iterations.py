@@ -14,7 +14,13 @@ from pathlib import Path
 
 from megatron.checkpoint.durable import write_text_durably
 from megatron.checkpoint.layout import (
-    ENGINE_FILE, LATEST_FILE, MANIFEST_FILE, REPLACED_SUFFIX, STAGING_SUFFIX, iteration_tag, tag_iteration,
+    ENGINE_FILE,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    REPLACED_SUFFIX,
+    STAGING_SUFFIX,
+    iteration_tag,
+    tag_iteration,
 )
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.verify import DamagedCheckpoint, verify_folder
@@ -50,8 +56,11 @@ def saved_iterations(load_dir: str) -> list[int]:
     folder = Path(load_dir)
     if not folder.is_dir():
         return []
-    found = [tag_iteration(child.name) for child in folder.iterdir()
-             if (child / MANIFEST_FILE).is_file() or (child / ENGINE_FILE).is_file()]
+    found = [
+        tag_iteration(child.name)
+        for child in folder.iterdir()
+        if (child / MANIFEST_FILE).is_file() or (child / ENGINE_FILE).is_file()
+    ]
     return sorted((it for it in found if it is not None), reverse=True)
 
 
@@ -92,22 +101,32 @@ def newest_intact(load_dir: str, grid: ParallelGrid, below: int | None = None) -
 
 def _refuse_damaged(load_dir: str, iteration: int, grid: ParallelGrid, error: DamagedCheckpoint) -> CheckpointError:
     older = newest_intact(load_dir, grid, below=iteration)
-    instead = f"load iteration {older} instead with --ckpt-step {older}" if older is not None else \
-        "no older intact checkpoint exists: start afresh in another --save folder"
+    instead = (
+        f"load iteration {older} instead with --ckpt-step {older}"
+        if older is not None
+        else "no older intact checkpoint exists: start afresh in another --save folder"
+    )
     return CheckpointError(f"checkpoint iteration {iteration} is damaged: {error}; {instead}")
 
 
 def resume_iteration(
-    load_dir: str, grid: ParallelGrid, ckpt_step: int | None, train_iters: int | None, log: Log,
+    load_dir: str,
+    grid: ParallelGrid,
+    ckpt_step: int | None,
+    train_iters: int | None,
+    log: Log,
 ) -> int | None:
     """The verified iteration to resume from, or None to start from scratch; `train_iters` (None:
     no limit) is where the run ends. Every rank calls it."""
     if not Path(load_dir).is_dir():
         if ckpt_step is not None:
-            raise CheckpointError(f"--load {load_dir} does not exist, so --ckpt-step {ckpt_step} cannot be loaded; "
-                                  "check --load")
-        log(f" > WARNING: --load {load_dir} does not exist yet, so training starts from scratch at iteration 0 "
-            "(as on the first run of a --save X --load X job)")
+            raise CheckpointError(
+                f"--load {load_dir} does not exist, so --ckpt-step {ckpt_step} cannot be loaded; check --load"
+            )
+        log(
+            f" > WARNING: --load {load_dir} does not exist yet, so training starts from scratch at iteration 0 "
+            "(as on the first run of a --save X --load X job)"
+        )
         return None
     if grid.is_first_rank:
         repair_directory(load_dir, log)
@@ -116,19 +135,24 @@ def resume_iteration(
         iteration = ckpt_step
         if iteration not in saved_iterations(load_dir):
             have = ", ".join(map(str, saved_iterations(load_dir))) or "none"
-            raise CheckpointError(f"--ckpt-step {ckpt_step}: {load_dir} holds no complete checkpoint of that iteration "
-                                  f"(it has: {have}); pick one of those")
+            raise CheckpointError(
+                f"--ckpt-step {ckpt_step}: {load_dir} holds no complete checkpoint of that iteration "
+                f"(it has: {have}); pick one of those"
+            )
     else:
         iteration, problem = read_latest(load_dir)
         if iteration is None and not saved_iterations(load_dir):
             log(f" > WARNING: --load {load_dir} holds no checkpoint, so training starts from scratch at iteration 0")
             return None
         if iteration is None or iteration not in saved_iterations(load_dir):
-            problem = problem or f"{Path(load_dir) / LATEST_FILE} names iteration {iteration}, which has no complete folder"
+            problem = (
+                problem or f"{Path(load_dir) / LATEST_FILE} names iteration {iteration}, which has no complete folder"
+            )
             iteration = newest_intact(load_dir, grid)
             if iteration is None:
-                raise CheckpointError(f"{problem} and no checkpoint folder in {load_dir} is intact; "
-                                      "start afresh in another --save folder")
+                raise CheckpointError(
+                    f"{problem} and no checkpoint folder in {load_dir} is intact; start afresh in another --save folder"
+                )
             log(f" > {problem}: resuming from the newest intact checkpoint, iteration {iteration}")
             return _within(iteration, train_iters, load_dir)
     try:
@@ -136,8 +160,10 @@ def resume_iteration(
     except DamagedCheckpoint as error:
         raise _refuse_damaged(load_dir, iteration, grid, error) from None
     if manifest is None:
-        log(f" > {Path(load_dir) / iteration_tag(iteration)} has no {MANIFEST_FILE} (saved by an earlier version): "
-            "loading it without verifying its files")
+        log(
+            f" > {Path(load_dir) / iteration_tag(iteration)} has no {MANIFEST_FILE} (saved by an earlier version): "
+            "loading it without verifying its files"
+        )
     return _within(iteration, train_iters, load_dir)
 
 

@@ -1,14 +1,14 @@
 """Every name in a checkpoint directory, written once:
 
-    DIR/latest_checkpointed_iteration.txt   the iteration to resume from, moved last
-    DIR/iter_0000010/                        one checkpoint
-        manifest.json                        format version, what the run was, every file's size and checksum
-        engine.json                          engine counters, optimizer groups, LR schedule, loss scale, client state
-        model_rank00000.safetensors          tensors under global names (tensors.py), one file per writing rank
-        optimizer_rank00000.safetensors      (and -1, -2, ... for each further 256 MiB)
-        rng_rank00000.safetensors
-    DIR/iter_0000010.tmp/                    a save in progress; a leftover one is removed
-    DIR/iter_0000010.old/                    the earlier save of the same iteration while a new one replaces it
+DIR/latest_checkpointed_iteration.txt   the iteration to resume from, moved last
+DIR/iter_0000010/                        one checkpoint
+    manifest.json                        format version, what the run was, every file's size and checksum
+    engine.json                          engine counters, optimizer groups, LR schedule, loss scale, client state
+    model_rank00000.safetensors          tensors under global names (tensors.py), one file per writing rank
+    optimizer_rank00000.safetensors      (and -1, -2, ... for each further 256 MiB)
+    rng_rank00000.safetensors
+DIR/iter_0000010.tmp/                    a save in progress; a leftover one is removed
+DIR/iter_0000010.old/                    the earlier save of the same iteration while a new one replaces it
 """
 
 import re

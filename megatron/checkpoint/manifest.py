@@ -8,9 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from megatron.checkpoint.checksum import bytes_checksum, file_checksum, tensors_file_checksum
 from megatron.checkpoint.layout import MANIFEST_FILE
@@ -30,6 +29,7 @@ class FileRecord(_Record):
 
 class RunRecord(_Record):
     """What the training loop adds: None for a checkpoint saved through the engine alone."""
+
     iteration: int
     consumed_samples: int
     consumed_tokens: int
@@ -39,6 +39,7 @@ class RunRecord(_Record):
 
 class Manifest(_Record):
     """`checksum` is that of the manifest's own JSON without it, so a flip here is caught too."""
+
     format_version: int
     run: RunRecord | None
     world_size: int
@@ -85,8 +86,10 @@ def read_manifest(folder: Path) -> Manifest | None:
     if manifest.checksum != manifest.own_checksum():
         raise CheckpointError(f"the manifest {path} is damaged (its own checksum does not match)")
     if manifest.format_version > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint format {manifest.format_version} but this version reads up to "
-                              f"{FORMAT_VERSION}; load it with the newer toolkit that saved it")
+        raise CheckpointError(
+            f"{path} has checkpoint format {manifest.format_version} but this version reads up to "
+            f"{FORMAT_VERSION}; load it with the newer toolkit that saved it"
+        )
     return manifest
 
 
@@ -101,4 +104,3 @@ def file_problem(folder: Path, name: str, expected: FileRecord) -> str | None:
     if file_record(path).checksum != expected.checksum:
         return f"{path} fails its checksum (its data changed after the save)"
     return None
-

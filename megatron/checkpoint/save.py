@@ -19,8 +19,8 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,13 @@ from safetensors import SafetensorError
 from megatron.checkpoint.durable import fsync_path, replace_durably
 from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
 from megatron.checkpoint.manifest import (
-    FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, tensors_record, write_manifest,
+    FORMAT_VERSION,
+    FileRecord,
+    Manifest,
+    RunRecord,
+    file_record,
+    tensors_record,
+    write_manifest,
 )
 from megatron.checkpoint.tensors import pack_by_size, save_rng_state, save_tensors
 from megatron.errors import CheckpointError
@@ -43,6 +49,7 @@ PART_BYTES = 256 << 20  # a rank's tensors go into files of about this size
 @dataclass
 class EngineState:
     """What one rank writes: its model and optimizer entries, and (first rank) engine.json's content."""
+
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
     meta: dict[str, Any] | None
@@ -55,7 +62,11 @@ def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
     """The name of the first floating-point tensor holding a NaN or an infinity. Its minimum and
     maximum tell (NaN propagates through both), at about 40x the speed of isfinite().all()."""
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all()):
+        if (
+            tensor.is_floating_point()
+            and tensor.numel()
+            and not bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all())
+        ):
             return name
     return None
 
@@ -149,13 +160,23 @@ def _move_into_place(staging: Path, final: Path) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def _finish(staging: Path, final: Path, state: EngineState, files: dict[str, FileRecord], run: RunRecord | None) -> None:
+def _finish(
+    staging: Path, final: Path, state: EngineState, files: dict[str, FileRecord], run: RunRecord | None
+) -> None:
     grid = state.grid
-    write_manifest(staging, Manifest(
-        format_version=FORMAT_VERSION, run=run, world_size=grid.world_size, data_parallel_size=grid.dp_size,
-        expert_parallel_size=grid.ep_size, zero_stage=state.zero_stage, precision=state.precision,
-        files=dict(sorted(files.items())),
-    ))
+    write_manifest(
+        staging,
+        Manifest(
+            format_version=FORMAT_VERSION,
+            run=run,
+            world_size=grid.world_size,
+            data_parallel_size=grid.dp_size,
+            expert_parallel_size=grid.ep_size,
+            zero_stage=state.zero_stage,
+            precision=state.precision,
+            files=dict(sorted(files.items())),
+        ),
+    )
     fsync_path(staging)
     _move_into_place(staging, final)
 
@@ -192,8 +213,13 @@ def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
         grid.barrier()
         rank, reason = failed[0]
         full = os.strerror(errno.ENOSPC) in reason
-        advice = f"it needs about {needed:,} bytes: free space or point --save at a larger disk" if full else \
-            "check the --save disk"
-        raise CheckpointError(f"saving {final} failed on rank {rank} ({reason}); the partial folder was removed and "
-                              f"earlier checkpoints are intact; {advice}")
+        advice = (
+            f"it needs about {needed:,} bytes: free space or point --save at a larger disk"
+            if full
+            else "check the --save disk"
+        )
+        raise CheckpointError(
+            f"saving {final} failed on rank {rank} ({reason}); the partial folder was removed and "
+            f"earlier checkpoints are intact; {advice}"
+        )
     return final

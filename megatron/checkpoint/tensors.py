@@ -79,7 +79,9 @@ class ShardedReader:
         self.splits = splits or {}
         self.files = rank_files(folder, stem)
         if not self.files:
-            raise CheckpointError(f"no {stem}_rank*.safetensors in {folder}; the checkpoint is incomplete, load an earlier one")
+            raise CheckpointError(
+                f"no {stem}_rank*.safetensors in {folder}; the checkpoint is incomplete, load an earlier one"
+            )
         self.file_of: dict[str, Path] = {}
         for path in self.files:
             with open_tensors(path) as handle:
@@ -115,8 +117,10 @@ class ShardedReader:
         parts, covered = [], 0
         for start, stop, piece in sorted(self.pieces[key]):
             if start != covered:
-                raise CheckpointError(f"{key} lacks elements {covered}:{start} in {self.files[0].parent}; "
-                                      "a rank's optimizer file is missing, load an earlier checkpoint")
+                raise CheckpointError(
+                    f"{key} lacks elements {covered}:{start} in {self.files[0].parent}; "
+                    "a rank's optimizer file is missing, load an earlier checkpoint"
+                )
             parts.append(self._read(piece))
             covered = stop
         flat = torch.cat(parts)
@@ -132,8 +136,9 @@ class ShardedReader:
         dim, parts = split
         slice_shape = list(shape)
         slice_shape[dim] //= count
-        return unshard([self.get(f"{name}{TP_SLICE_MARK}{r}of{count}", torch.Size(slice_shape)) for r in range(count)],
-                       dim, parts)
+        return unshard(
+            [self.get(f"{name}{TP_SLICE_MARK}{r}of{count}", torch.Size(slice_shape)) for r in range(count)], dim, parts
+        )
 
     def _split_of(self, base: str) -> tuple[int, tuple[int, ...] | None] | None:
         """How the saving run split tensor `base`, or one expert `base` of a stacked tensor (one dim less)."""
@@ -177,8 +182,11 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def tensor_parallel_splits(module: torch.nn.Module) -> SplitTable:
     """How the module's tensor-parallel parameters are split, by name, for engine.json."""
-    return {name: (split.dim, split.partition_sizes) for name, param in module.named_parameters()
-            if (split := tensor_parallel_split(param)) is not None}
+    return {
+        name: (split.dim, split.partition_sizes)
+        for name, param in module.named_parameters()
+        if (split := tensor_parallel_split(param)) is not None
+    }
 
 
 def model_entries(module: torch.nn.Module, owns_dense: bool, owns_experts: bool) -> dict[str, torch.Tensor]:
@@ -250,12 +258,15 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def load_optimizer_entries(
-    optimizer: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str], reader: ShardedReader,
+    optimizer: torch.optim.Optimizer,
+    names: dict[torch.nn.Parameter, str],
+    reader: ShardedReader,
     saved_groups: list[dict[str, Any]],
 ) -> None:
     """Each parameter's state, whether saved whole or in ZeRO pieces."""
     state_keys = optimizer_state_keys(reader)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+
     def value(key: str, param: torch.nn.Parameter) -> torch.Tensor:
         name, split, ids = f"{key}/{names[param]}", tensor_parallel_split(param), expert_ids(param)
         if split is not None and not ids and not reader.has(name):  # saved as tensor-parallel slices
@@ -264,8 +275,11 @@ def load_optimizer_entries(
         whole = reader.get_global(name, ids, shape) if ids else reader.get_whole(name, shape)
         return whole if split is None or whole.dim() == 0 else split.slice_of(whole)
 
-    state = {index: {key: value(key, p) for key in state_keys[names[p]]}
-             for index, p in enumerate(params) if names[p] in state_keys}
+    state = {
+        index: {key: value(key, p) for key in state_keys[names[p]]}
+        for index, p in enumerate(params)
+        if names[p] in state_keys
+    }
     load_optimizer_state(optimizer, state, saved_groups)
 
 
@@ -289,8 +303,10 @@ def load_optimizer_state(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter groups but this run has "
             f"{len(current['param_groups'])}; load with --no-load-optim to start a fresh optimizer"
         )
-    groups = [{**{key: _like(group.get(key), value) for key, value in saved.items()}, "params": group["params"]}
-              for saved, group in zip(saved_groups, current["param_groups"])]
+    groups = [
+        {**{key: _like(group.get(key), value) for key, value in saved.items()}, "params": group["params"]}
+        for saved, group in zip(saved_groups, current["param_groups"])
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -25,9 +25,11 @@ def verify_folder(folder: Path, grid: ParallelGrid) -> Manifest | None:
         raise DamagedCheckpoint(str(error)) from None
     if manifest is None:
         if not (folder / ENGINE_FILE).is_file():
-            raise DamagedCheckpoint(f"{folder} has neither a manifest nor {ENGINE_FILE}: it is not a complete checkpoint")
+            raise DamagedCheckpoint(
+                f"{folder} has neither a manifest nor {ENGINE_FILE}: it is not a complete checkpoint"
+            )
         return None
-    names = sorted(manifest.files)[grid.rank::grid.world_size]
+    names = sorted(manifest.files)[grid.rank :: grid.world_size]
     problems = [problem for name in names if (problem := file_problem(folder, name, manifest.files[name]))]
     found = [problem for rank_problems in grid.gather_from_all(problems) for problem in rank_problems]
     if found:

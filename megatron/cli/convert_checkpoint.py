@@ -31,18 +31,28 @@ def build_parser() -> FlagParser:
     direction.add_argument("--from", dest="from_", choices=["hf"], help="import a Hugging Face model folder")
     parser.add_argument("--load", required=True, help="--to hf: our checkpoint directory; --from hf: the model folder")
     parser.add_argument("--save", required=True, help="the new folder to write")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cast the floating-point weights (default: keep the dtype they are stored in)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast the floating-point weights (default: keep the dtype they are stored in)",
+    )
     g = parser.add_argument_group("--to hf")
     g.add_argument("--ckpt-step", type=positive_int, default=None, help="the iteration to export; default the latest")
-    g.add_argument("--max-shard-size", default="5GB", help="largest weights file, as Hugging Face writes it (5GB, 500MB)")
+    g.add_argument(
+        "--max-shard-size", default="5GB", help="largest weights file, as Hugging Face writes it (5GB, 500MB)"
+    )
     g.add_argument("--tokenizer-model", default=None, help="the SentencePiece model, where it moved since training")
     g.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json, where it moved since training")
     g.add_argument("--merge-file", default=None, help="GPT-2's merges.txt, where it moved since training")
     g = parser.add_argument_group("--from hf")
-    g.add_argument("--moe-expert-parallel-size", type=positive_int, default=1,
-                   help="the expert-parallel size you will train with, checked against the expert counts (the "
-                        "checkpoint itself loads under any)")
+    g.add_argument(
+        "--moe-expert-parallel-size",
+        type=positive_int,
+        default=1,
+        help="the expert-parallel size you will train with, checked against the expert counts (the "
+        "checkpoint itself loads under any)",
+    )
     return parser
 
 
@@ -58,13 +68,27 @@ def run(args: argparse.Namespace) -> Path:
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.to:
         if args.moe_expert_parallel_size != 1:
-            raise ConfigError("--moe-expert-parallel-size applies to --from hf (an exported model holds all experts); "
-                              "drop it")
-        overrides = {"tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file, "merge_file": args.merge_file}
-        return export_to_hf(args.load, args.save, args.ckpt_step, parse_size(args.max_shard_size), dtype, overrides, log)
-    given = [flag for flag, value in (("--ckpt-step", args.ckpt_step), ("--tokenizer-model", args.tokenizer_model),
-                                      ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file))
-             if value is not None] + (["--max-shard-size"] if args.max_shard_size != "5GB" else [])
+            raise ConfigError(
+                "--moe-expert-parallel-size applies to --from hf (an exported model holds all experts); drop it"
+            )
+        overrides = {
+            "tokenizer_model": args.tokenizer_model,
+            "vocab_file": args.vocab_file,
+            "merge_file": args.merge_file,
+        }
+        return export_to_hf(
+            args.load, args.save, args.ckpt_step, parse_size(args.max_shard_size), dtype, overrides, log
+        )
+    given = [
+        flag
+        for flag, value in (
+            ("--ckpt-step", args.ckpt_step),
+            ("--tokenizer-model", args.tokenizer_model),
+            ("--vocab-file", args.vocab_file),
+            ("--merge-file", args.merge_file),
+        )
+        if value is not None
+    ] + (["--max-shard-size"] if args.max_shard_size != "5GB" else [])
     if given:
         raise ConfigError(f"{given[0]} applies to --to hf; drop it when importing with --from hf")
     return import_from_hf(args.load, args.save, args.moe_expert_parallel_size, dtype, log).folder

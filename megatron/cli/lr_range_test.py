@@ -28,7 +28,16 @@ from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, TrainingStopped
 from megatron.parallel import build_parallel_grid
 from megatron.plotting import Mark, line_chart, png_bytes
-from megatron.runtime.lr_range_test import DIVERGENCE_FACTOR, RangePoint, Report, Step, Suggestion, Sweep, suggest, sweep
+from megatron.runtime.lr_range_test import (
+    DIVERGENCE_FACTOR,
+    RangePoint,
+    Report,
+    Step,
+    Suggestion,
+    Sweep,
+    suggest,
+    sweep,
+)
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.training import Trainer
 
@@ -39,27 +48,71 @@ PrintLine = Callable[[str], None]
 def build_range_test_parser() -> FlagParser:
     """The tool's own flags, in DeepSpeed's spelling (with Megatron's dashes accepted too)."""
     parser = FlagParser(add_help=False)
-    g = parser.add_argument_group("LR range test (DeepSpeed's LRRangeTest: lr = min_lr x (1 + step_rate x step / step_size))")
-    g.add_argument("--lr_range_test_min_lr", "--lr-range-test-min-lr", dest="min_lr", type=positive_float, default=1e-5,
-                   help="the first iteration's lr")
-    g.add_argument("--lr_range_test_step_size", "--lr-range-test-step-size", dest="step_size", type=positive_int, default=1,
-                   help="iterations per unit of step_rate")
-    g.add_argument("--lr_range_test_step_rate", "--lr-range-test-step-rate", dest="step_rate", type=positive_float, default=5.0,
-                   help="lr increase per step_size iterations, in units of min_lr")
-    g.add_argument("--lr_range_test_staircase", "--lr-range-test-staircase", dest="staircase", action="store_true",
-                   help="raise the lr once every step_size iterations instead of every iteration")
-    g.add_argument("--lr_range_test_steps", "--lr-range-test-steps", dest="steps", type=positive_int, default=200,
-                   help="iterations at most (one global batch each); the test stops earlier once the loss diverges")
-    g.add_argument("--lr_range_test_output", "--lr-range-test-output", dest="output", type=Path,
-                   default=Path("lr_range_test.png"), help="the plot; the curve goes to the same name with .json")
-    g.add_argument("--toy", action="store_true",
-                   help="run on a small built-in regression network instead of a GPT (no model or data flags)")
+    g = parser.add_argument_group(
+        "LR range test (DeepSpeed's LRRangeTest: lr = min_lr x (1 + step_rate x step / step_size))"
+    )
+    g.add_argument(
+        "--lr_range_test_min_lr",
+        "--lr-range-test-min-lr",
+        dest="min_lr",
+        type=positive_float,
+        default=1e-5,
+        help="the first iteration's lr",
+    )
+    g.add_argument(
+        "--lr_range_test_step_size",
+        "--lr-range-test-step-size",
+        dest="step_size",
+        type=positive_int,
+        default=1,
+        help="iterations per unit of step_rate",
+    )
+    g.add_argument(
+        "--lr_range_test_step_rate",
+        "--lr-range-test-step-rate",
+        dest="step_rate",
+        type=positive_float,
+        default=5.0,
+        help="lr increase per step_size iterations, in units of min_lr",
+    )
+    g.add_argument(
+        "--lr_range_test_staircase",
+        "--lr-range-test-staircase",
+        dest="staircase",
+        action="store_true",
+        help="raise the lr once every step_size iterations instead of every iteration",
+    )
+    g.add_argument(
+        "--lr_range_test_steps",
+        "--lr-range-test-steps",
+        dest="steps",
+        type=positive_int,
+        default=200,
+        help="iterations at most (one global batch each); the test stops earlier once the loss diverges",
+    )
+    g.add_argument(
+        "--lr_range_test_output",
+        "--lr-range-test-output",
+        dest="output",
+        type=Path,
+        default=Path("lr_range_test.png"),
+        help="the plot; the curve goes to the same name with .json",
+    )
+    g.add_argument(
+        "--toy",
+        action="store_true",
+        help="run on a small built-in regression network instead of a GPT (no model or data flags)",
+    )
     return parser
 
 
 def schedule_params(own: argparse.Namespace) -> dict[str, Any]:
-    return {"lr_range_test_min_lr": own.min_lr, "lr_range_test_step_size": own.step_size,
-            "lr_range_test_step_rate": own.step_rate, "lr_range_test_staircase": own.staircase}
+    return {
+        "lr_range_test_min_lr": own.min_lr,
+        "lr_range_test_step_size": own.step_size,
+        "lr_range_test_step_rate": own.step_rate,
+        "lr_range_test_staircase": own.staircase,
+    }
 
 
 def last_lr(own: argparse.Namespace) -> float:
@@ -83,8 +136,10 @@ def range_test_config(config: PretrainConfig, own: argparse.Namespace) -> Pretra
     if config.dry_run:
         raise ConfigError("--dry-run sizes a model for pretrain_gpt.py; drop it to run the LR range test")
     # a DeepSpeed "scheduler" block replaces the flags' LR schedule (and any the JSON names)
-    deepspeed_json = {**(config.training.deepspeed_json or {}),
-                      "scheduler": {"type": SCHEDULE, "params": schedule_params(own)}}
+    deepspeed_json = {
+        **(config.training.deepspeed_json or {}),
+        "scheduler": {"type": SCHEDULE, "params": schedule_params(own)},
+    }
     return replace(
         config,
         training=replace(config.training, train_iters=own.steps, deepspeed_json=deepspeed_json),
@@ -149,8 +204,11 @@ def printer(steps: int, loss_name: str, print_line: PrintLine) -> Report:
         if point is None:
             fields.append("skipped (fp16 overflow): the lr stays")
         else:
-            fields += [f"learning rate: {point.lr:.3E}", f"{loss_name}: {point.loss:.6E}",
-                       f"smoothed {loss_name}: {point.smoothed_loss:.6E}"]
+            fields += [
+                f"learning rate: {point.lr:.3E}",
+                f"{loss_name}: {point.loss:.6E}",
+                f"smoothed {loss_name}: {point.smoothed_loss:.6E}",
+            ]
         print_line(" | ".join(fields) + " |")
 
     return report
@@ -159,36 +217,52 @@ def printer(steps: int, loss_name: str, print_line: PrintLine) -> Report:
 def summary(result: Sweep, suggestion: Suggestion) -> str:
     diverged = f"; the loss diverged at lr {result.diverged_lr:.3E}" if result.diverged_lr is not None else ""
     if suggestion.steepest_lr is None:
-        return (f" > the smoothed loss never fell (lowest at lr {suggestion.lowest_lr:.3E}), so there is no range to "
-                f"suggest; start lower with --lr_range_test_min_lr{diverged}")
-    return (f" > suggested learning-rate range: {suggestion.steepest_lr:.3E} (steepest loss descent) to "
-            f"{suggestion.lowest_lr:.3E} (lowest smoothed loss){diverged}")
+        return (
+            f" > the smoothed loss never fell (lowest at lr {suggestion.lowest_lr:.3E}), so there is no range to "
+            f"suggest; start lower with --lr_range_test_min_lr{diverged}"
+        )
+    return (
+        f" > suggested learning-rate range: {suggestion.steepest_lr:.3E} (steepest loss descent) to "
+        f"{suggestion.lowest_lr:.3E} (lowest smoothed loss){diverged}"
+    )
 
 
 def plot(result: Sweep, suggestion: Suggestion, loss_name: str) -> bytes:
     losses = [p.loss for p in result.points]
     # the y axis stops a little above the first tenth's losses, so a diverging tail does not flatten the rest
-    lowest, head = min(losses), max(losses[:max(len(losses) // 10, 1)])
+    lowest, head = min(losses), max(losses[: max(len(losses) // 10, 1)])
     top = head + 0.1 * (head - lowest) if head > lowest else max(losses)
     marks = [Mark(suggestion.lowest_lr, (210, 30, 30), f"lowest smoothed loss {suggestion.lowest_lr:.1e}")]
     if suggestion.steepest_lr is not None:
         marks.insert(0, Mark(suggestion.steepest_lr, (30, 150, 60), f"steepest descent {suggestion.steepest_lr:.1e}"))
     curve = [(p.lr, p.loss) for p in result.points]
-    image = line_chart([(curve, (30, 90, 200))], x_title="learning rate (log scale)", y_title=f"training {loss_name}",
-                       log_x=True, y_range=(lowest, top), marks=marks)
+    image = line_chart(
+        [(curve, (30, 90, 200))],
+        x_title="learning rate (log scale)",
+        y_title=f"training {loss_name}",
+        log_x=True,
+        y_range=(lowest, top),
+        marks=marks,
+    )
     return png_bytes(image)
 
 
-def write_outputs(own: argparse.Namespace, argv: list[str], result: Sweep, suggestion: Suggestion,
-                  loss_name: str) -> Path:
+def write_outputs(
+    own: argparse.Namespace, argv: list[str], result: Sweep, suggestion: Suggestion, loss_name: str
+) -> Path:
     own.output.parent.mkdir(parents=True, exist_ok=True)
     own.output.write_bytes(plot(result, suggestion, loss_name))
     record = {
-        "argv": argv, "scheduler": {"type": SCHEDULE, "params": schedule_params(own)}, "steps": own.steps,
+        "argv": argv,
+        "scheduler": {"type": SCHEDULE, "params": schedule_params(own)},
+        "steps": own.steps,
         "rule": f"EMA-smoothed loss; range from its steepest descent per decade of lr to its minimum; stop when "
-                f"it exceeds {DIVERGENCE_FACTOR:g}x its minimum or a loss or gradient is not finite",
-        "steepest_descent_lr": suggestion.steepest_lr, "lowest_loss_lr": suggestion.lowest_lr,
-        "diverged_lr": result.diverged_lr, "stop_reason": result.stop_reason, "loss": loss_name,
+        f"it exceeds {DIVERGENCE_FACTOR:g}x its minimum or a loss or gradient is not finite",
+        "steepest_descent_lr": suggestion.steepest_lr,
+        "lowest_loss_lr": suggestion.lowest_lr,
+        "diverged_lr": result.diverged_lr,
+        "stop_reason": result.stop_reason,
+        "loss": loss_name,
         "points": [asdict(point) for point in result.points],
     }
     json_path = own.output.with_suffix(".json")
@@ -196,11 +270,14 @@ def write_outputs(own: argparse.Namespace, argv: list[str], result: Sweep, sugge
     return json_path
 
 
-def finish(own: argparse.Namespace, argv: list[str], result: Sweep, loss_name: str, writes: bool,
-           print_line: PrintLine) -> Sweep:
+def finish(
+    own: argparse.Namespace, argv: list[str], result: Sweep, loss_name: str, writes: bool, print_line: PrintLine
+) -> Sweep:
     if not result.points:
-        raise TrainingStopped(f"all {own.steps} iterations skipped their step (fp16 overflow), so there is no curve; "
-                              "raise --lr_range_test_steps or train in bf16")
+        raise TrainingStopped(
+            f"all {own.steps} iterations skipped their step (fp16 overflow), so there is no curve; "
+            "raise --lr_range_test_steps or train in bf16"
+        )
     if result.stop_reason:
         print_line(f" > stopped early: {result.stop_reason}")
     suggestion = suggest(result.points)
@@ -218,14 +295,18 @@ def print_line(line: str) -> None:
 def run(argv: list[str]) -> Sweep:
     own, rest = build_range_test_parser().parse_known_args(argv)
     if "-h" in rest or "--help" in rest:  # both flag sets, in one help text
-        FlagParser(description=__doc__.split("\n\n")[0], parents=[build_parser(), build_range_test_parser()],
-                   add_help=False).parse_args(["--help"])
-    plan = (f" > LR range test: lr {own.min_lr:.3E} -> {last_lr(own):.3E} over at most {own.steps} iterations; "
-            f"stops once the smoothed loss exceeds {DIVERGENCE_FACTOR:g}x its minimum")
+        FlagParser(
+            description=__doc__.split("\n\n")[0], parents=[build_parser(), build_range_test_parser()], add_help=False
+        ).parse_args(["--help"])
+    plan = (
+        f" > LR range test: lr {own.min_lr:.3E} -> {last_lr(own):.3E} over at most {own.steps} iterations; "
+        f"stops once the smoothed loss exceeds {DIVERGENCE_FACTOR:g}x its minimum"
+    )
     if own.toy:
         if rest:
-            raise ConfigError(f"--toy runs the built-in demo and takes only the --lr_range_test_* flags; "
-                              f"drop {rest[0]} or --toy")
+            raise ConfigError(
+                f"--toy runs the built-in demo and takes only the --lr_range_test_* flags; drop {rest[0]} or --toy"
+            )
         print_line(plan)
         result = sweep(toy_step(own), own.steps, printer(own.steps, "loss", print_line))
         return finish(own, argv, result, "loss", True, print_line)

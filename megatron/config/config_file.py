@@ -13,16 +13,19 @@ from typing import Any
 from megatron.errors import ConfigError
 
 # a JSON string, or a comment, or a comma that only closing brackets follow
-_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|//[^\n]*|#[^\n]*|/\*.*?\*/|,(?=\s*(?:(?://[^\n]*|#[^\n]*|/\*.*?\*/)\s*)*[}\]])',
-                     re.DOTALL)
+_TOKENS = re.compile(
+    r'"(?:[^"\\]|\\.)*"|//[^\n]*|#[^\n]*|/\*.*?\*/|,(?=\s*(?:(?://[^\n]*|#[^\n]*|/\*.*?\*/)\s*)*[}\]])', re.DOTALL
+)
 
 
 def strip_comments(text: str) -> str:
     """JSON text without comments and trailing commas (strings are left as they are)."""
+
     def keep(match: re.Match[str]) -> str:
         token = match.group(0)
         # a block comment leaves its line breaks, so that errors still name the right line
         return token if token.startswith('"') else "\n" * token.count("\n")
+
     return _TOKENS.sub(keep, text)
 
 
@@ -55,8 +58,9 @@ def read_config_source(source: str | Path) -> tuple[dict[str, Any], str]:
     except (binascii.Error, UnicodeDecodeError, ValueError):
         text = ""
     if not text.lstrip().startswith("{"):  # a mistyped path, most likely
-        raise ConfigError(f"the runtime config {source[:80]} does not exist (nor is it base64-encoded JSON); "
-                          "check the path")
+        raise ConfigError(
+            f"the runtime config {source[:80]} does not exist (nor is it base64-encoded JSON); check the path"
+        )
     return parse_config_text(text, "the base64 runtime config"), "the base64 runtime config"
 
 

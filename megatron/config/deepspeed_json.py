@@ -7,14 +7,15 @@ runtime as written, with the flags' values laid over it.
 
 import argparse
 import copy
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.errors import ConfigError
 from megatron.config.config_file import read_config_file
 from megatron.config.runtime_schema import validate_runtime_config
+from megatron.errors import ConfigError
 
 JsonPath = tuple[str | int, ...]
 
@@ -22,6 +23,7 @@ JsonPath = tuple[str | int, ...]
 @dataclass(frozen=True)
 class FlagKey:
     """One value that a flag and a JSON key both set, and how it reads in each."""
+
     path: JsonPath
     dest: str  # the flag's argparse destination
     to_flag: Callable[[Any], Any] = lambda value: value
@@ -44,7 +46,7 @@ FLAG_KEYS: tuple[FlagKey, ...] = (
     FlagKey(("bf16", "enabled"), "bf16"),
     # the JSON's 0 means a dynamic scale, as no --loss-scale does
     FlagKey(("fp16", "loss_scale"), "loss_scale", lambda v: v or None, lambda v: v or 0.0),
-    FlagKey(("fp16", "initial_scale_power"), "initial_loss_scale", lambda v: 2.0 ** v, lambda v: round(math.log2(v))),
+    FlagKey(("fp16", "initial_scale_power"), "initial_loss_scale", lambda v: 2.0**v, lambda v: round(math.log2(v))),
     FlagKey(("fp16", "loss_scale_window"), "loss_scale_window"),
     FlagKey(("fp16", "hysteresis"), "hysteresis"),
     FlagKey(("fp16", "min_loss_scale"), "min_loss_scale"),
@@ -56,8 +58,16 @@ FLAG_KEYS: tuple[FlagKey, ...] = (
     FlagKey(("zero_optimization", "stage"), "zero_stage"),
 )
 # Megatron's own LR annealing flags, which a DeepSpeed "scheduler" block replaces
-ANNEALING_FLAGS = ("lr_decay_style", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_tokens",
-                   "lr_decay_iters", "lr_decay_samples", "lr_decay_tokens")
+ANNEALING_FLAGS = (
+    "lr_decay_style",
+    "min_lr",
+    "lr_warmup_iters",
+    "lr_warmup_samples",
+    "lr_warmup_tokens",
+    "lr_decay_iters",
+    "lr_decay_samples",
+    "lr_decay_tokens",
+)
 
 
 def explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -83,7 +93,7 @@ def _lookup(config: dict[str, Any], path: JsonPath) -> Any:
 def _assign(config: dict[str, Any], path: JsonPath, value: Any) -> None:
     """Set `path` in nested dicts, creating them; a list index fills a two-item list (betas)."""
     node: Any = config
-    for part, following in zip(path, path[1:]):
+    for part, following in itertools.pairwise(path):
         if not isinstance(node.get(part) if isinstance(node, dict) else None, (dict, list)):
             node[part] = [None, None] if isinstance(following, int) else {}
         node = node[part]
@@ -102,8 +112,9 @@ def merge_deepspeed_config(args: argparse.Namespace, explicit: set[str]) -> argp
             continue
         value = key.to_flag(raw)
         if key.dest in explicit and not _same(merged[key.dest], value):
-            raise ConfigError(f"{key.flag} {merged[key.dest]} and {key.key} {raw} in {path} disagree; "
-                              "give the value in one place")
+            raise ConfigError(
+                f"{key.flag} {merged[key.dest]} and {key.key} {raw} in {path} disagree; give the value in one place"
+            )
         merged[key.dest] = value
     scheduler = config.get("scheduler")
     clashing = sorted(explicit & set(ANNEALING_FLAGS))

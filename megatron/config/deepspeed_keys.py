@@ -22,6 +22,7 @@ Path = tuple[str, ...]
 @dataclass(frozen=True)
 class Hint:
     """A key accepted without effect here, and why it has none."""
+
     path: Path
     why: str
 
@@ -29,6 +30,7 @@ class Hint:
 @dataclass(frozen=True)
 class Unbuilt:
     """A feature not built here: refused when `is_on` holds for the key's value."""
+
     path: Path
     feature: str
     is_on: Callable[[Any], bool]
@@ -64,7 +66,8 @@ def _reduced_precision(value: Any) -> bool:
 
 def _reduced_precision_types(block: Any) -> bool:
     return isinstance(block, dict) and any(
-        _reduced_precision(block.get(key)) for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype"))
+        _reduced_precision(block.get(key)) for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype")
+    )
 
 
 def _deep_compile(block: Any) -> bool:
@@ -82,12 +85,21 @@ def _autotp(block: Any) -> bool:
 HINTS: tuple[Hint, ...] = (
     Hint(("zero_allow_untested_optimizer",), "ZeRO here partitions the state of any torch optimizer"),
     Hint(("zero_force_ds_cpu_optimizer",), "CPU offload always steps the toolkit's native CPU Adam"),
-    Hint(("disable_allgather",), "DeepSpeed then broadcasts the updated partitions instead; the parameters come out the same"),
+    Hint(
+        ("disable_allgather",),
+        "DeepSpeed then broadcasts the updated partitions instead; the parameters come out the same",
+    ),
     Hint(("dump_state",), "a DeepSpeed debugging print of its engine's state"),
     Hint(("disable_python_gc",), "a DeepSpeed knob for when Python's garbage collector runs"),
     Hint(("memory_breakdown",), "DeepSpeed's accelerator-memory print, which this engine does not make"),
-    Hint(("vocabulary_size",), "DeepSpeed only warns about its alignment; --make-vocab-size-divisible-by pads the vocabulary"),
-    Hint(("dataloader_drop_last",), "the engine builds no data loader; the trainer's sampler always drops an incomplete last batch"),
+    Hint(
+        ("vocabulary_size",),
+        "DeepSpeed only warns about its alignment; --make-vocab-size-divisible-by pads the vocabulary",
+    ),
+    Hint(
+        ("dataloader_drop_last",),
+        "the engine builds no data loader; the trainer's sampler always drops an incomplete last batch",
+    ),
     Hint(("log_level",), "DeepSpeed's logger level; the toolkit logs through its own Megatron-style lines"),
     Hint(("managed_gradient_accumulation",), "the engine counts micro-batches and steps at the boundary, as true asks"),
     Hint(("seq_parallel_communication_data_type",), "Ulysses sequence parallelism is not built"),
@@ -97,7 +109,10 @@ HINTS: tuple[Hint, ...] = (
     Hint(("timers",), "DeepSpeed's throughput timers; the trainer's log lines report throughput"),
     Hint(("compile",), "settings of DeepSpeed's torch.compile integration"),
     Hint(("activation_checkpointing",), "--checkpoint-activations turns checkpointing on, as in Megatron-DeepSpeed"),
-    Hint(("activation_checkpointing", "partition_activations"), "it splits activations over tensor-parallel ranks; there is one"),
+    Hint(
+        ("activation_checkpointing", "partition_activations"),
+        "it splits activations over tensor-parallel ranks; there is one",
+    ),
     Hint(("activation_checkpointing", "contiguous_memory_optimization"), "an accelerator memory-layout hint"),
     Hint(("activation_checkpointing", "number_checkpoints"), "it sizes contiguous_memory_optimization's buffers"),
     Hint(("activation_checkpointing", "synchronize_checkpoint_boundary"), "an accelerator synchronisation for timing"),
@@ -107,48 +122,76 @@ HINTS: tuple[Hint, ...] = (
     Hint(("fp16", "auto_cast"), "the forward runs under torch.autocast, which casts each operation's inputs"),
     Hint(("bf16", "immediate_grad_update"), "gradients here are reduced and applied at the accumulation boundary"),
     Hint(("bf16", "check_grad_overflow"), "non-finite gradients are always detected here (see --check-for-nan)"),
-    *(Hint(("zero_optimization", key), why) for key, why in (
-        ("allgather_partitions", "DeepSpeed then broadcasts partitions instead of gathering them; the values are the same"),
-        ("use_multi_rank_bucket_allreduce", "a choice among DeepSpeed's all-reduce implementations"),
-        ("compute_grad_norm", "the gradient norm is always computed here, for clipping and the log"),
-        ("load_from_fp32_weights", "checkpoints here hold the fp32 weights, which are always loaded"),
-        ("elastic_checkpoint", "checkpoints here load under any data-parallel size"),
-        ("stage3_model_persistence_threshold", "a ZeRO-3 memory hint for small parameters"),
-        ("stage3_max_reuse_distance", "a ZeRO-3 hint for keeping gathered parameters; each module's are freed after use"),
-        ("stage3_module_granularity_threshold", "a ZeRO-3 hint for fetching parameters by module"),
-        ("stage3_use_all_reduce_for_fetch_params", "a choice of collective for gathering parameters"),
-        ("stage3_allgather_sequential", "a choice of collective order for gathering parameters"),
-        ("ignore_unused_parameters", "parameters with no gradient get a zero gradient here"),
-        ("legacy_stage1", "DeepSpeed's old stage-1 implementation"),
-        ("round_robin_gradients", "an order of gradient copies for CPU offload"),
-        ("parameter_alignment", "an alignment of DeepSpeed's flat buffers"),
-        ("memory_efficient_linear", "DeepSpeed's ZeRO-3 linear layer wrapper"),
-        ("pipeline_loading_checkpoint", "a ZeRO-3 loading order for pipeline parallelism"),
-        ("override_module_apply", "DeepSpeed's ZeRO-3 hook on Module.apply"),
-        ("log_trace_cache_warnings", "DeepSpeed's ZeRO-3 prefetch trace warnings"),
-        ("enable_sanity_checks", "DeepSpeed's ZeRO-3 internal checks"),
-        ("save_muon_momentum_buffer_in_memory", "the Muon optimizer is not built"),
-        ("leaf_module", "a ZeRO-3 fetch-granularity hint"),
-        ("cpu_offload_use_pin_memory", "host buffers here are always the aio op's locked ones"),
-    )),
-    *(Hint(("zero_optimization", "offload_optimizer", key), why) for key, why in (
-        ("ratio", "the whole optimizer step runs on the CPU when offloaded"),
-        ("super_offload", "a scheduling mode of DeepSpeed's CPU optimizer"),
-        ("cpuadam_cores_perc", "the native CPU Adam uses torch's thread count"),
-    )),
+    *(
+        Hint(("zero_optimization", key), why)
+        for key, why in (
+            (
+                "allgather_partitions",
+                "DeepSpeed then broadcasts partitions instead of gathering them; the values are the same",
+            ),
+            ("use_multi_rank_bucket_allreduce", "a choice among DeepSpeed's all-reduce implementations"),
+            ("compute_grad_norm", "the gradient norm is always computed here, for clipping and the log"),
+            ("load_from_fp32_weights", "checkpoints here hold the fp32 weights, which are always loaded"),
+            ("elastic_checkpoint", "checkpoints here load under any data-parallel size"),
+            ("stage3_model_persistence_threshold", "a ZeRO-3 memory hint for small parameters"),
+            (
+                "stage3_max_reuse_distance",
+                "a ZeRO-3 hint for keeping gathered parameters; each module's are freed after use",
+            ),
+            ("stage3_module_granularity_threshold", "a ZeRO-3 hint for fetching parameters by module"),
+            ("stage3_use_all_reduce_for_fetch_params", "a choice of collective for gathering parameters"),
+            ("stage3_allgather_sequential", "a choice of collective order for gathering parameters"),
+            ("ignore_unused_parameters", "parameters with no gradient get a zero gradient here"),
+            ("legacy_stage1", "DeepSpeed's old stage-1 implementation"),
+            ("round_robin_gradients", "an order of gradient copies for CPU offload"),
+            ("parameter_alignment", "an alignment of DeepSpeed's flat buffers"),
+            ("memory_efficient_linear", "DeepSpeed's ZeRO-3 linear layer wrapper"),
+            ("pipeline_loading_checkpoint", "a ZeRO-3 loading order for pipeline parallelism"),
+            ("override_module_apply", "DeepSpeed's ZeRO-3 hook on Module.apply"),
+            ("log_trace_cache_warnings", "DeepSpeed's ZeRO-3 prefetch trace warnings"),
+            ("enable_sanity_checks", "DeepSpeed's ZeRO-3 internal checks"),
+            ("save_muon_momentum_buffer_in_memory", "the Muon optimizer is not built"),
+            ("leaf_module", "a ZeRO-3 fetch-granularity hint"),
+            ("cpu_offload_use_pin_memory", "host buffers here are always the aio op's locked ones"),
+        )
+    ),
+    *(
+        Hint(("zero_optimization", "offload_optimizer", key), why)
+        for key, why in (
+            ("ratio", "the whole optimizer step runs on the CPU when offloaded"),
+            ("super_offload", "a scheduling mode of DeepSpeed's CPU optimizer"),
+            ("cpuadam_cores_perc", "the native CPU Adam uses torch's thread count"),
+        )
+    ),
 )
 
 UNBUILT: tuple[Unbuilt, ...] = (
-    *(Unbuilt((key,), feature, _enabled) for key, feature in (
-        ("flops_profiler", "the FLOPs profiler"), ("comms_logger", "the communication logger"),
-        ("autotuning", "the autotuner"), ("wandb", "Weights & Biases logging"), ("csv_monitor", "the CSV monitor"),
-        ("comet", "Comet logging"), ("hybrid_engine", "the RLHF hybrid engine"),
-        ("curriculum_learning", "curriculum learning"),
-        ("elasticity", "elastic training"), ("nebula", "Nebula checkpointing"), ("amp", "Apex AMP"),
-        ("quantize_training", "quantized training (MoQ)"), ("eigenvalue", "eigenvalue computation"),
-        ("progressive_layer_drop", "progressive layer dropping"),    )),
+    *(
+        Unbuilt((key,), feature, _enabled)
+        for key, feature in (
+            ("flops_profiler", "the FLOPs profiler"),
+            ("comms_logger", "the communication logger"),
+            ("autotuning", "the autotuner"),
+            ("wandb", "Weights & Biases logging"),
+            ("csv_monitor", "the CSV monitor"),
+            ("comet", "Comet logging"),
+            ("hybrid_engine", "the RLHF hybrid engine"),
+            ("curriculum_learning", "curriculum learning"),
+            ("elasticity", "elastic training"),
+            ("nebula", "Nebula checkpointing"),
+            ("amp", "Apex AMP"),
+            ("quantize_training", "quantized training (MoQ)"),
+            ("eigenvalue", "eigenvalue computation"),
+            ("progressive_layer_drop", "progressive layer dropping"),
+        )
+    ),
     Unbuilt(("expert_parallel",), "AutoEP", _enabled, "set --moe-expert-parallel-size"),
-    Unbuilt(("torch_autocast",), "torch_autocast", _enabled, "use the fp16 or bf16 block, which runs the forward under autocast"),
+    Unbuilt(
+        ("torch_autocast",),
+        "torch_autocast",
+        _enabled,
+        "use the fp16 or bf16 block, which runs the forward under autocast",
+    ),
     Unbuilt(("data_efficiency",), "data efficiency's curriculum sampling or random-LTD", _any_enabled),
     Unbuilt(("compression_training",), "the compression library", _any_enabled),
     Unbuilt(("sparse_attention",), "sparse attention", _given),
@@ -157,8 +200,12 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt(("tensor_parallel",), "AutoTP tensor parallelism", _autotp),
     Unbuilt(("compile",), "DeepCompile", _deep_compile),
     Unbuilt(("data_types",), "gradient accumulation or parameters in 16 bits", _reduced_precision_types),
-    Unbuilt(("communication_data_type",), "gradient reduction in 16 bits", _reduced_precision,
-            "gradients are reduced in fp32 here; set it to \"fp32\" or remove it"),
+    Unbuilt(
+        ("communication_data_type",),
+        "gradient reduction in 16 bits",
+        _reduced_precision,
+        'gradients are reduced in fp32 here; set it to "fp32" or remove it',
+    ),
     Unbuilt(("use_data_before_expert_parallelism",), "data-parallel-first expert groups", _is_true),
     Unbuilt(("sequence_parallel_size",), "Ulysses sequence parallelism", _above_one),
     Unbuilt(("managed_gradient_accumulation",), "client-owned accumulation boundaries", _client_boundaries),
@@ -191,8 +238,11 @@ def _value_at(config: BaseModel, path: Path) -> tuple[bool, Any]:
 
 def no_effect_notes(config: BaseModel) -> list[str]:
     """One line for each key given that changes nothing here, for the log."""
-    return [f" > ds_config {'.'.join(hint.path)}: accepted, no effect here ({hint.why})"
-            for hint in HINTS if _value_at(config, hint.path)[0]]
+    return [
+        f" > ds_config {'.'.join(hint.path)}: accepted, no effect here ({hint.why})"
+        for hint in HINTS
+        if _value_at(config, hint.path)[0]
+    ]
 
 
 def refuse_unbuilt(config: BaseModel, source: str) -> None:
@@ -201,8 +251,10 @@ def refuse_unbuilt(config: BaseModel, source: str) -> None:
         given, value = _value_at(config, rule.path)
         if given and rule.is_on(value):
             key = ".".join(rule.path)
-            raise ConfigError(f"{key} in {source} turns on {rule.feature}, which this toolkit does not build; "
-                              f"{rule.instead or 'remove it or turn it off'}")
+            raise ConfigError(
+                f"{key} in {source} turns on {rule.feature}, which this toolkit does not build; "
+                f"{rule.instead or 'remove it or turn it off'}"
+            )
 
 
 def _alias(*names: str) -> Any:
@@ -211,6 +263,7 @@ def _alias(*names: str) -> Any:
 
 class TopLevelKeys(Section):
     """DeepSpeed's top-level keys that the runtime does not model itself."""
+
     zero_allow_untested_optimizer: bool | None = None
     zero_force_ds_cpu_optimizer: bool | None = None
     disable_allgather: bool | None = None
@@ -270,6 +323,7 @@ class TopLevelKeys(Section):
 
 class ActivationCheckpointingConfig(Section):
     """DeepSpeed's `activation_checkpointing` block: how checkpointing works, not whether it is on."""
+
     partition_activations: bool = False
     contiguous_memory_optimization: bool = False
     cpu_checkpointing: bool = False
@@ -281,17 +335,22 @@ class ActivationCheckpointingConfig(Section):
 class ZeroKeys(Section):
     """DeepSpeed's `zero_optimization` keys that the runtime does not model itself, and the
     legacy spellings of offloading (`cpu_offload`, `cpu_offload_param`)."""
+
     allgather_partitions: bool | None = None
     use_multi_rank_bucket_allreduce: bool | None = None
     compute_grad_norm: bool | None = None
     load_from_fp32_weights: bool | None = None
     elastic_checkpoint: bool | None = None
-    stage3_model_persistence_threshold: Count | None = _alias("stage3_model_persistence_threshold", "model_persistence_threshold")
+    stage3_model_persistence_threshold: Count | None = _alias(
+        "stage3_model_persistence_threshold", "model_persistence_threshold"
+    )
     stage3_max_reuse_distance: Count | None = _alias("stage3_max_reuse_distance", "max_reuse_distance")
     stage3_module_granularity_threshold: Count | None = _alias(
-        "stage3_module_granularity_threshold", "module_granularity_threshold")
+        "stage3_module_granularity_threshold", "module_granularity_threshold"
+    )
     stage3_use_all_reduce_for_fetch_params: bool | None = _alias(
-        "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params")
+        "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params"
+    )
     stage3_allgather_sequential: bool | None = _alias("stage3_allgather_sequential", "allgather_sequential")
     ignore_unused_parameters: bool | None = None
     legacy_stage1: bool | None = None

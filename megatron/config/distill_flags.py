@@ -68,15 +68,24 @@ class DistillConfig:
 def add_distill_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("knowledge distillation (MoS)")
     g.add_argument("--kd", action="store_true", help="distil from --load-teacher: alpha x LM loss + beta x T^2 x KL")
-    g.add_argument("--mos", action="store_true", help="Mixture-of-Students: the same as --kd (the reference's spelling)")
-    g.add_argument("--kd-alpha-ce", type=non_negative_float, default=1.0, help="weight of the student's own LM loss while KD is on")
+    g.add_argument(
+        "--mos", action="store_true", help="Mixture-of-Students: the same as --kd (the reference's spelling)"
+    )
+    g.add_argument(
+        "--kd-alpha-ce", type=non_negative_float, default=1.0, help="weight of the student's own LM loss while KD is on"
+    )
     g.add_argument("--kd-beta-ce", type=non_negative_float, default=1.0, help="weight of the KD term")
     g.add_argument("--kd-temp", type=positive_float, default=1.0, help="softmax temperature T of teacher and student")
-    g.add_argument("--kd-stop-iters", type=positive_int, default=None, help="staged KD: switch KD off and free the teacher here")
+    g.add_argument(
+        "--kd-stop-iters", type=positive_int, default=None, help="staged KD: switch KD off and free the teacher here"
+    )
     g.add_argument("--kd-stop-tokens", type=positive_int, default=None, help="the same, in training tokens")
     g.add_argument("--load-teacher", default=None, help="the teacher's checkpoint directory (a --save of this toolkit)")
-    g.add_argument("--mos-init-from-teacher", action="store_true",
-                   help="start the student from the teacher's weights where their shapes agree")
+    g.add_argument(
+        "--mos-init-from-teacher",
+        action="store_true",
+        help="start the student from the teacher's weights where their shapes agree",
+    )
     g.add_argument("--num-layers-teacher", type=positive_int, default=None)
     g.add_argument("--hidden-size-teacher", type=positive_int, default=None)
     g.add_argument("--num-attention-heads-teacher", type=positive_int, default=None)
@@ -96,7 +105,9 @@ def distill_config_from_args(args: argparse.Namespace, tokens_per_iteration: int
             raise ConfigError(f"{flag} was given without --kd or --mos; add --kd --load-teacher DIR or drop the flag")
         return None
     if not args.load_teacher:
-        raise ConfigError("distillation needs the teacher's checkpoint; add --load-teacher DIR (the teacher run's --save)")
+        raise ConfigError(
+            "distillation needs the teacher's checkpoint; add --load-teacher DIR (the teacher run's --save)"
+        )
     if not kd and (args.kd_stop_iters is not None or args.kd_stop_tokens is not None):
         raise ConfigError("--kd-stop-iters/--kd-stop-tokens stop a KD term that is off; add --kd or drop the flag")
     if args.kd_stop_iters is not None and args.kd_stop_tokens is not None:
@@ -107,7 +118,12 @@ def distill_config_from_args(args: argparse.Namespace, tokens_per_iteration: int
     if stated["num_experts"] is not None:
         stated["num_experts"] = tuple(stated["num_experts"])
     return DistillConfig(
-        load_teacher=args.load_teacher, kd=kd, alpha_ce=args.kd_alpha_ce, beta_ce=args.kd_beta_ce,
-        temperature=args.kd_temp, stop_iteration=stop, init_from_teacher=args.mos_init_from_teacher,
+        load_teacher=args.load_teacher,
+        kd=kd,
+        alpha_ce=args.kd_alpha_ce,
+        beta_ce=args.kd_beta_ce,
+        temperature=args.kd_temp,
+        stop_iteration=stop,
+        init_from_teacher=args.mos_init_from_teacher,
         teacher=TeacherExpectation(**stated),
     )

@@ -14,7 +14,12 @@ from pydantic import ValidationError
 from megatron.config.deepspeed_json import explicit_flags, flag_for, merge_deepspeed_config, runtime_dict
 from megatron.config.distill_flags import DistillConfig, add_distill_args, distill_config_from_args
 from megatron.config.parser import (
-    FlagParser, non_negative_float, non_negative_int, positive_float, positive_int, probability,
+    FlagParser,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
 )
 from megatron.config.runtime_schema import RuntimeConfig, explain, resolve_batch_sizes
 from megatron.data.gpt_dataset import SPLIT_CUMULATIVE, SPLIT_ROUNDINGS
@@ -22,8 +27,8 @@ from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 from megatron.model.moe import MoEConfig
-from megatron.model.pipeline_stage import layer_counts
 from megatron.model.moe.config import DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
+from megatron.model.pipeline_stage import layer_counts
 from megatron.runtime.lr_schedules import scheduler_parameters
 
 
@@ -51,6 +56,7 @@ class TrainingConfig:
     """What the training loop and the data need. The engine's settings (optimizer, precision, loss
     scale, clipping, ZeRO) have one home, `PretrainConfig.runtime_config`: the flags reach it
     through deepspeed_json.FLAG_KEYS, the one table between flags and DeepSpeed's JSON keys."""
+
     seq_length: int
     micro_batch_size: int  # the data's batch shapes; the runtime config checks them against its own
     global_batch_size: int
@@ -108,6 +114,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class ExitConfig:
     """When a run stops early on purpose, saving a checkpoint first (Megatron's flags)."""
+
     signal_handler: bool
     signal: str  # the signal's name, e.g. "SIGTERM"
     interval: int | None  # iterations
@@ -134,8 +141,12 @@ class PretrainConfig:
             # the JSON was checked on its own when it was read, so a problem here comes from a flag
             problem = explain(exc, "the command-line flags")
             key = flag_for(problem.loc)
-            raise ConfigError(problem.sentence if key is None else f"{key.flag} {self.flags[key.dest]} is out of range "
-                              f"(as {key.key} {problem.value!r}: {problem.reason})") from None
+            raise ConfigError(
+                problem.sentence
+                if key is None
+                else f"{key.flag} {self.flags[key.dest]} is out of range "
+                f"(as {key.key} {problem.value!r}: {problem.reason})"
+            ) from None
         return resolve_batch_sizes(config, dp_size)
 
 
@@ -144,51 +155,101 @@ def build_parser(sizing: bool = False) -> FlagParser:
     that tool does anyway."""
     parser = FlagParser(prog="pretrain_gpt.py", description="Pretrain a GPT model (Megatron-style flags).")
     if not sizing:
-        parser.add_argument("--dry-run", action="store_true",
-                            help="build the model on the meta device, print its size and memory per rank, and stop")
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="build the model on the meta device, print its size and memory per rank, and stop",
+        )
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=positive_int, required=True)
     g.add_argument("--hidden-size", type=positive_int, required=True)
     g.add_argument("--ffn-hidden-size", type=positive_int, default=None, help="default 4 x hidden size")
-    g.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None,
-                   help="each expert's ffn width (fine-grained experts); default --ffn-hidden-size")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
-                   help="width of a dense MLP every token of an MoE layer goes through beside its routed experts")
-    g.add_argument("--moe-shared-expert-gate", action="store_true",
-                   help="scale the shared experts' output per token by a sigmoid gate (Qwen2-MoE)")
+    g.add_argument(
+        "--moe-ffn-hidden-size",
+        type=positive_int,
+        default=None,
+        help="each expert's ffn width (fine-grained experts); default --ffn-hidden-size",
+    )
+    g.add_argument(
+        "--moe-shared-expert-intermediate-size",
+        type=positive_int,
+        default=None,
+        help="width of a dense MLP every token of an MoE layer goes through beside its routed experts",
+    )
+    g.add_argument(
+        "--moe-shared-expert-gate",
+        action="store_true",
+        help="scale the shared experts' output per token by a sigmoid gate (Qwen2-MoE)",
+    )
     g.add_argument("--num-attention-heads", type=positive_int, required=True)
     g.add_argument("--seq-length", type=positive_int, required=True)
     g.add_argument("--max-position-embeddings", type=positive_int, default=None, help="default --seq-length")
     g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="learned_absolute")
-    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope")
-    g.add_argument("--rotary-percent", type=positive_float, default=1.0,
-                   help="rope rotates this share of each head's dims, the first ones (GPT-NeoX: 0.25)")
+    g.add_argument(
+        "--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope"
+    )
+    g.add_argument(
+        "--rotary-percent",
+        type=positive_float,
+        default=1.0,
+        help="rope rotates this share of each head's dims, the first ones (GPT-NeoX: 0.25)",
+    )
     g.add_argument("--rotary-base", type=positive_float, default=10000.0)
     g.add_argument("--hidden-dropout", type=probability, default=0.1)
     g.add_argument("--attention-dropout", type=probability, default=0.1)
-    g.add_argument("--init-method-std", type=positive_float, default=0.02,
-                   help="std of every weight matrix's normal init (output projections scaled by 1/sqrt(2 x layers))")
+    g.add_argument(
+        "--init-method-std",
+        type=positive_float,
+        default=0.02,
+        help="std of every weight matrix's normal init (output projections scaled by 1/sqrt(2 x layers))",
+    )
     g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=positive_float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU dense MLP: --ffn-hidden-size gated units")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
-                   help="no biases in the attention and MLP linears")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="an output layer of its own instead of the token embedding")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention: --num-query-groups key/value heads shared by the attention heads")
-    g.add_argument("--num-query-groups", type=positive_int, default=None,
-                   help="key/value heads under --group-query-attention; default 1 as in Megatron-LM")
+    g.add_argument(
+        "--disable-bias-linear",
+        dest="add_bias_linear",
+        action="store_false",
+        help="no biases in the attention and MLP linears",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="an output layer of its own instead of the token embedding",
+    )
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="grouped-query attention: --num-query-groups key/value heads shared by the attention heads",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=positive_int,
+        default=None,
+        help="key/value heads under --group-query-attention; default 1 as in Megatron-LM",
+    )
     g.add_argument("--kv-channels", type=positive_int, default=None, help="head dim; default hidden size / heads")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="a --normalization norm over each head's queries and keys, before rope")
+    g.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="a --normalization norm over each head's queries and keys, before rope",
+    )
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
-    g.add_argument("--checkpoint-activations", "--recompute-activations", action="store_true", dest="checkpoint_activations")
+    g.add_argument(
+        "--checkpoint-activations", "--recompute-activations", action="store_true", dest="checkpoint_activations"
+    )
 
     g = parser.add_argument_group("mixture of experts (Megatron-DeepSpeed's flags)")
-    g.add_argument("--num-experts", type=positive_int, nargs="+", default=[1],
-                   help="experts per MoE layer: one value, or one per MoE layer (pyramid); 1 = dense")
-    g.add_argument("--expert-interval", type=positive_int, default=2, help="layer n (from 1) is MoE when n %% interval == 0")
+    g.add_argument(
+        "--num-experts",
+        type=positive_int,
+        nargs="+",
+        default=[1],
+        help="experts per MoE layer: one value, or one per MoE layer (pyramid); 1 = dense",
+    )
+    g.add_argument(
+        "--expert-interval", type=positive_int, default=2, help="layer n (from 1) is MoE when n %% interval == 0"
+    )
     g.add_argument("--topk", "--moe-router-topk", type=positive_int, default=1, help="experts per token")
     g.add_argument("--moe-expert-parallel-size", type=positive_int, default=1)
     g.add_argument("--moe-loss-coeff", type=non_negative_float, default=0.01)
@@ -200,45 +261,105 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--mlp-type", choices=MLP_TYPES, default="standard", help="residual: PR-MoE")
     g.add_argument("--moe-noisy-gate-policy", choices=["None", "Jitter", "RSample"], default="None")
     g.add_argument("--disable-moe-rts", action="store_true", help="keep the first tokens, not random ones")
-    g.add_argument("--moe-token-drop-policy", choices=DROP_POLICIES, default="probs",
-                   help="top-k with k >= 3: an over-full expert keeps the highest probabilities or the earliest tokens")
+    g.add_argument(
+        "--moe-token-drop-policy",
+        choices=DROP_POLICIES,
+        default="probs",
+        help="top-k with k >= 3: an over-full expert keeps the highest probabilities or the earliest tokens",
+    )
     g.add_argument("--disable-moe-top2-2nd-expert-sampling", action="store_true")
-    g = parser.add_argument_group("mixture of experts: Megatron-Core's routing (any score, pre-softmax, scaling, "
-                                  "expert-bias or group flag replaces DeepSpeed's gating rules)")
-    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default=None,
-                   help="score each expert by a softmax over the experts or by its own sigmoid")
-    g.add_argument("--moe-router-pre-softmax", action="store_true",
-                   help="softmax over all experts before the top-k (gates not renormalised); default: softmax over "
-                        "the top-k logits")
-    g.add_argument("--moe-router-topk-scaling-factor", type=positive_float, default=None, help="multiply the gates by this")
-    g.add_argument("--disable-moe-router-norm-topk-prob", dest="moe_router_norm_topk_prob", action="store_false",
-                   help="sigmoid scores, top-k > 1: keep the gates as scored instead of dividing them by their sum "
-                        "(Hugging Face's norm_topk_prob false)")
-    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                   help="aux-loss-free balancing: a per-expert bias added to the scores for choosing only, moved "
-                        "after each step towards an even load (sigmoid scores)")
-    g.add_argument("--moe-router-bias-update-rate", type=positive_float, default=1e-3,
-                   help="how far each step moves the expert bias")
-    g.add_argument("--moe-router-num-groups", type=positive_int, default=None,
-                   help="group-limited routing: the experts in this many equal groups (e.g. one per expert-parallel rank)")
-    g.add_argument("--moe-router-group-topk", type=positive_int, default=None,
-                   help="group-limited routing: each token chooses its experts within this many groups")
-    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss",
-                   help="aux_loss over the micro-batch, seq_aux_loss per sequence, or none; weighted by --moe-loss-coeff")
-    g.add_argument("--create-moe-param-group", action="store_true",
-                   help="accepted for Megatron-DeepSpeed recipes; expert parameters are always handled apart")
+    g = parser.add_argument_group(
+        "mixture of experts: Megatron-Core's routing (any score, pre-softmax, scaling, "
+        "expert-bias or group flag replaces DeepSpeed's gating rules)"
+    )
+    g.add_argument(
+        "--moe-router-score-function",
+        choices=SCORE_FUNCTIONS,
+        default=None,
+        help="score each expert by a softmax over the experts or by its own sigmoid",
+    )
+    g.add_argument(
+        "--moe-router-pre-softmax",
+        action="store_true",
+        help="softmax over all experts before the top-k (gates not renormalised); default: softmax over "
+        "the top-k logits",
+    )
+    g.add_argument(
+        "--moe-router-topk-scaling-factor", type=positive_float, default=None, help="multiply the gates by this"
+    )
+    g.add_argument(
+        "--disable-moe-router-norm-topk-prob",
+        dest="moe_router_norm_topk_prob",
+        action="store_false",
+        help="sigmoid scores, top-k > 1: keep the gates as scored instead of dividing them by their sum "
+        "(Hugging Face's norm_topk_prob false)",
+    )
+    g.add_argument(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="aux-loss-free balancing: a per-expert bias added to the scores for choosing only, moved "
+        "after each step towards an even load (sigmoid scores)",
+    )
+    g.add_argument(
+        "--moe-router-bias-update-rate",
+        type=positive_float,
+        default=1e-3,
+        help="how far each step moves the expert bias",
+    )
+    g.add_argument(
+        "--moe-router-num-groups",
+        type=positive_int,
+        default=None,
+        help="group-limited routing: the experts in this many equal groups (e.g. one per expert-parallel rank)",
+    )
+    g.add_argument(
+        "--moe-router-group-topk",
+        type=positive_int,
+        default=None,
+        help="group-limited routing: each token chooses its experts within this many groups",
+    )
+    g.add_argument(
+        "--moe-router-load-balancing-type",
+        choices=LOAD_BALANCING_TYPES,
+        default="aux_loss",
+        help="aux_loss over the micro-batch, seq_aux_loss per sequence, or none; weighted by --moe-loss-coeff",
+    )
+    g.add_argument(
+        "--create-moe-param-group",
+        action="store_true",
+        help="accepted for Megatron-DeepSpeed recipes; expert parameters are always handled apart",
+    )
 
     g = parser.add_argument_group("model parallelism (Megatron's flags; ranks ordered tp, dp, pp)")
-    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
-                   help="split attention heads, the MLP width and the vocabulary over this many ranks")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="under tensor parallelism, split norms, dropout and residuals along the sequence too")
-    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
-                   help="split the layers into this many stages, run in Megatron's 1F1B schedule")
-    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int, default=None,
-                   help="layers of the first stage (default: an even split)")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, default=None,
-                   help="layers of the last stage (default: an even split)")
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="split attention heads, the MLP width and the vocabulary over this many ranks",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="under tensor parallelism, split norms, dropout and residuals along the sequence too",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="split the layers into this many stages, run in Megatron's 1F1B schedule",
+    )
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=positive_int,
+        default=None,
+        help="layers of the first stage (default: an even split)",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=positive_int,
+        default=None,
+        help="layers of the last stage (default: an even split)",
+    )
     g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=1)
 
     g = parser.add_argument_group("data and tokenizer")
@@ -248,31 +369,52 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--data-impl", choices=["mmap"], default="mmap")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    g.add_argument(
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
+    )
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=positive_int, default=None, help="for NullTokenizer")
     # Megatron-LM changed both of these conventions; its current one is the default (README, data).
-    g.add_argument("--split-rounding", choices=SPLIT_ROUNDINGS, default=SPLIT_CUMULATIVE,
-                   help="--split boundaries over sequences: rounded cumulative shares (current Megatron-LM) or "
-                        "rounded sizes shifted to the total (legacy: Megatron-DeepSpeed)")
-    g.add_argument("--null-tokenizer-eod", choices=NULL_EOD_CONVENTIONS, default=NULL_EOD_LAST,
-                   help="NullTokenizer's end-of-document id: the last of --vocab-size ids (current Megatron-LM) "
-                        "or one extra id, --vocab-size itself (Megatron-DeepSpeed)")
+    g.add_argument(
+        "--split-rounding",
+        choices=SPLIT_ROUNDINGS,
+        default=SPLIT_CUMULATIVE,
+        help="--split boundaries over sequences: rounded cumulative shares (current Megatron-LM) or "
+        "rounded sizes shifted to the total (legacy: Megatron-DeepSpeed)",
+    )
+    g.add_argument(
+        "--null-tokenizer-eod",
+        choices=NULL_EOD_CONVENTIONS,
+        default=NULL_EOD_LAST,
+        help="NullTokenizer's end-of-document id: the last of --vocab-size ids (current Megatron-LM) "
+        "or one extra id, --vocab-size itself (Megatron-DeepSpeed)",
+    )
     g.add_argument("--num-workers", type=non_negative_int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true")
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=positive_int, default=None,
-                   help="required, unless --deepspeed_config sets train_micro_batch_size_per_gpu")
-    g.add_argument("--global-batch-size", type=positive_int, default=None, help="default micro batch x data-parallel size")
+    g.add_argument(
+        "--micro-batch-size",
+        type=positive_int,
+        default=None,
+        help="required, unless --deepspeed_config sets train_micro_batch_size_per_gpu",
+    )
+    g.add_argument(
+        "--global-batch-size", type=positive_int, default=None, help="default micro batch x data-parallel size"
+    )
     g.add_argument("--train-iters", type=positive_int, default=None)
     g.add_argument("--train-samples", type=positive_int, default=None)
     g.add_argument("--train-tokens", type=positive_int, default=None)
-    g.add_argument("--lr", type=positive_float, default=None,
-                   help="peak learning rate; required, unless --deepspeed_config sets optimizer.params.lr")
+    g.add_argument(
+        "--lr",
+        type=positive_float,
+        default=None,
+        help="peak learning rate; required, unless --deepspeed_config sets optimizer.params.lr",
+    )
     g.add_argument("--min-lr", type=non_negative_float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=non_negative_int, default=None)
@@ -295,12 +437,24 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--loss-scale-window", type=positive_int, default=1000)
     g.add_argument("--hysteresis", type=positive_int, default=2)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
-                   help="chosen from the device when omitted")
+    g.add_argument(
+        "--distributed-backend", choices=["gloo", "nccl"], default=None, help="chosen from the device when omitted"
+    )
     g.add_argument("--deepspeed", action="store_true", help="read --deepspeed_config (Megatron-DeepSpeed's spelling)")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
-                   help="DeepSpeed-style JSON; values must agree with the flags given")
-    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage: 0, 1 (optimizer state partitioned), 2 (also gradients) or 3 (also parameters)")
+    g.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="deepspeed_config",
+        default=None,
+        help="DeepSpeed-style JSON; values must agree with the flags given",
+    )
+    g.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=0,
+        help="ZeRO stage: 0, 1 (optimizer state partitioned), 2 (also gradients) or 3 (also parameters)",
+    )
     parser.set_defaults(deepspeed_json=None, dry_run=False)
 
     g = parser.add_argument_group("logging, evaluation and checkpoints")
@@ -314,31 +468,71 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--reset-iteration", action="store_true",
-                   help="--load only the weights and start at iteration 0 with a fresh optimizer and LR schedule")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-                   help="accepted for Megatron scripts: this run's LR-schedule flags always win over the checkpoint's, "
-                        "with one line saying what changed")
-    g.add_argument("--ckpt-step", type=positive_int, default=None, help="load this iteration instead of the one `latest` names")
-    g.add_argument("--overwrite-checkpoints", action="store_true",
-                   help="let a run that starts from scratch save into a --save folder that already holds checkpoints")
-    g.add_argument("--moe-use-upcycling", action="store_true",
-                   help="start this MoE model from the dense checkpoint in --load (every expert a copy or slice of its "
-                        "layer's dense MLP) at iteration 0; once --save holds checkpoints, the run resumes those")
+    g.add_argument(
+        "--reset-iteration",
+        action="store_true",
+        help="--load only the weights and start at iteration 0 with a fresh optimizer and LR schedule",
+    )
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="accepted for Megatron scripts: this run's LR-schedule flags always win over the checkpoint's, "
+        "with one line saying what changed",
+    )
+    g.add_argument(
+        "--ckpt-step", type=positive_int, default=None, help="load this iteration instead of the one `latest` names"
+    )
+    g.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="let a run that starts from scratch save into a --save folder that already holds checkpoints",
+    )
+    g.add_argument(
+        "--moe-use-upcycling",
+        action="store_true",
+        help="start this MoE model from the dense checkpoint in --load (every expert a copy or slice of its "
+        "layer's dense MLP) at iteration 0; once --save holds checkpoints, the run resumes those",
+    )
 
     g = parser.add_argument_group("long runs: faults and planned exits")
-    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-                   default=True, help="stop on a NaN or infinite loss or gradient in bf16/fp32 (default)")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
-                   help="skip such steps instead, as fp16 always does")
-    g.add_argument("--max-consecutive-skipped-iterations", type=non_negative_int, default=50,
-                   help="stop when this many iterations in a row skip their step (fp16 overflow); 0: never")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal, save a checkpoint at the next iteration and exit 0")
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="stop on a NaN or infinite loss or gradient in bf16/fp32 (default)",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="skip such steps instead, as fp16 always does",
+    )
+    g.add_argument(
+        "--max-consecutive-skipped-iterations",
+        type=non_negative_int,
+        default=50,
+        help="stop when this many iterations in a row skip their step (fp16 overflow); 0: never",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on --exit-signal, save a checkpoint at the next iteration and exit 0",
+    )
     g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"])
-    g.add_argument("--exit-interval", type=positive_int, default=None, help="save and exit when the iteration is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=positive_float, default=None,
-                   help="save and exit once training has run this many minutes")
+    g.add_argument(
+        "--exit-interval",
+        type=positive_int,
+        default=None,
+        help="save and exit when the iteration is a multiple of this",
+    )
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=positive_float,
+        default=None,
+        help="save and exit once training has run this many minutes",
+    )
     add_distill_args(parser)
     return parser
 
@@ -349,7 +543,9 @@ def _one_of(args: argparse.Namespace, names: list[str], required: bool) -> str |
         flags = " and ".join("--" + n.replace("_", "-") for n in given)
         raise ConfigError(f"{flags} were both given; use only one of them")
     if required and not given:
-        raise ConfigError("give the training length with one of " + ", ".join("--" + n.replace("_", "-") for n in names))
+        raise ConfigError(
+            "give the training length with one of " + ", ".join("--" + n.replace("_", "-") for n in names)
+        )
     return given[0] if given else None
 
 
@@ -375,32 +571,52 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The model's shape from the flags (vocab_size is filled in once the tokenizer is known)."""
     max_positions = args.max_position_embeddings or args.seq_length
     model = GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=None, max_position_embeddings=max_positions, ffn_hidden_size=args.ffn_hidden_size,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=None,
+        max_position_embeddings=max_positions,
+        ffn_hidden_size=args.ffn_hidden_size,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-        swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        swiglu=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        num_query_groups=_num_query_groups(args), kv_channels=args.kv_channels, qk_layernorm=args.qk_layernorm,
+        num_query_groups=_num_query_groups(args),
+        kv_channels=args.kv_channels,
+        qk_layernorm=args.qk_layernorm,
         position_embedding_type="rope" if args.use_rotary_position_embeddings else args.position_embedding_type,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
         checkpoint_activations=args.checkpoint_activations,
-        num_experts=tuple(args.num_experts), expert_interval=args.expert_interval, mlp_type=args.mlp_type,
+        num_experts=tuple(args.num_experts),
+        expert_interval=args.expert_interval,
+        mlp_type=args.mlp_type,
         moe=MoEConfig(
-            topk=args.topk, train_capacity_factor=args.moe_train_capacity_factor,
-            eval_capacity_factor=args.moe_eval_capacity_factor, min_capacity=args.moe_min_capacity,
-            drop_tokens=not args.disable_moe_token_dropping, use_rts=not args.disable_moe_rts,
+            topk=args.topk,
+            train_capacity_factor=args.moe_train_capacity_factor,
+            eval_capacity_factor=args.moe_eval_capacity_factor,
+            min_capacity=args.moe_min_capacity,
+            drop_tokens=not args.disable_moe_token_dropping,
+            use_rts=not args.disable_moe_rts,
             noisy_gate_policy=None if args.moe_noisy_gate_policy == "None" else args.moe_noisy_gate_policy,
             sample_second_expert=not args.disable_moe_top2_2nd_expert_sampling,
-            aux_loss_coeff=args.moe_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
-            use_residual=args.mlp_type == "residual", drop_policy=args.moe_token_drop_policy,
-            router_score_function=args.moe_router_score_function, router_pre_softmax=args.moe_router_pre_softmax,
+            aux_loss_coeff=args.moe_loss_coeff,
+            z_loss_coeff=args.moe_z_loss_coeff,
+            use_residual=args.mlp_type == "residual",
+            drop_policy=args.moe_token_drop_policy,
+            router_score_function=args.moe_router_score_function,
+            router_pre_softmax=args.moe_router_pre_softmax,
             router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
             router_enable_expert_bias=args.moe_router_enable_expert_bias,
-            router_num_groups=args.moe_router_num_groups, router_group_topk=args.moe_router_group_topk,
+            router_num_groups=args.moe_router_num_groups,
+            router_group_topk=args.moe_router_group_topk,
             router_norm_topk_prob=args.moe_router_norm_topk_prob,
             router_bias_update_rate=args.moe_router_bias_update_rate,
             router_load_balancing_type=args.moe_router_load_balancing_type,
@@ -415,8 +631,10 @@ def _check_model_parallel_flags(args: argparse.Namespace) -> None:
     """What tensor and pipeline parallelism cover so far; the rest stops here with one sentence each."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.sequence_parallel and tp == 1:
-        raise ConfigError("--sequence-parallel splits the activations between tensor-parallel regions; "
-                          "add --tensor-model-parallel-size N (N > 1) or drop it")
+        raise ConfigError(
+            "--sequence-parallel splits the activations between tensor-parallel regions; "
+            "add --tensor-model-parallel-size N (N > 1) or drop it"
+        )
     layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
@@ -431,7 +649,9 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     if args.seq_length > max_positions:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_positions}")
     if not args.data_path and not args.train_data_path:
-        raise ConfigError("no training data: give --data-path PREFIX (made by tools/preprocess_data.py) or --train-data-path")
+        raise ConfigError(
+            "no training data: give --data-path PREFIX (made by tools/preprocess_data.py) or --train-data-path"
+        )
     if args.data_path and args.train_data_path:
         raise ConfigError("--data-path and --train-data-path were both given; use one of them for training data")
     seq = args.seq_length
@@ -445,21 +665,35 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         train_data_path=tuple(args.train_data_path) if args.train_data_path else None,
         valid_data_path=tuple(args.valid_data_path) if args.valid_data_path else None,
         test_data_path=tuple(args.test_data_path) if args.test_data_path else None,
-        split=args.split, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-        split_rounding=args.split_rounding, null_tokenizer_eod=args.null_tokenizer_eod,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, num_workers=args.num_workers,
+        split=args.split,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+        split_rounding=args.split_rounding,
+        null_tokenizer_eod=args.null_tokenizer_eod,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss,
     )
     training = TrainingConfig(
-        seq_length=seq, micro_batch_size=args.micro_batch_size, global_batch_size=gbs, train_iters=train_iters,
-        min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        seq_length=seq,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=gbs,
+        train_iters=train_iters,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
         lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
-        lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq), seed=args.seed,
-        expert_parallel_size=args.moe_expert_parallel_size, expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq),
+        seed=args.seed,
+        expert_parallel_size=args.moe_expert_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         tensor_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel, pipeline_parallel_size=args.pipeline_model_parallel_size,
-        first_stage_layers=args.decoder_first_pipeline_num_layers, last_stage_layers=args.decoder_last_pipeline_num_layers,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_parallel_size=args.pipeline_model_parallel_size,
+        first_stage_layers=args.decoder_first_pipeline_num_layers,
+        last_stage_layers=args.decoder_last_pipeline_num_layers,
         check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_json=args.deepspeed_json,
@@ -470,27 +704,42 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
             f"({training.lr_decay_tokens} tokens); shorten --lr-warmup-* or lengthen --lr-decay-* or the training"
         )
     logging = LoggingConfig(
-        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        eval_at_start=args.eval_at_start, tensorboard_dir=args.tensorboard_dir,
+        log_interval=args.log_interval,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        eval_at_start=args.eval_at_start,
+        tensorboard_dir=args.tensorboard_dir,
     )
     if args.reset_iteration and not args.load:
         raise ConfigError("--reset-iteration restarts from the weights in --load; add --load DIR or drop it")
     checkpoint = CheckpointConfig(
-        save=args.save, load=args.load, save_interval=args.save_interval,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, reset_iteration=args.reset_iteration,
-        ckpt_step=args.ckpt_step, overwrite_checkpoints=args.overwrite_checkpoints,
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        reset_iteration=args.reset_iteration,
+        ckpt_step=args.ckpt_step,
+        overwrite_checkpoints=args.overwrite_checkpoints,
         moe_use_upcycling=args.moe_use_upcycling,
     )
     if args.moe_use_upcycling and (not args.load or args.reset_iteration):
-        raise ConfigError("--moe-use-upcycling starts from the dense checkpoint in --load at iteration 0; "
-                          "give --load DIR, without --reset-iteration")
+        raise ConfigError(
+            "--moe-use-upcycling starts from the dense checkpoint in --load at iteration 0; "
+            "give --load DIR, without --reset-iteration"
+        )
     if args.ckpt_step is not None and not args.load:
         raise ConfigError("--ckpt-step picks a checkpoint in --load; add --load DIR or drop it")
-    exit_config = ExitConfig(signal_handler=args.exit_signal_handler, signal=args.exit_signal,
-                             interval=args.exit_interval, duration_minutes=args.exit_duration_in_mins)
+    exit_config = ExitConfig(
+        signal_handler=args.exit_signal_handler,
+        signal=args.exit_signal,
+        interval=args.exit_interval,
+        duration_minutes=args.exit_duration_in_mins,
+    )
     distill = distill_config_from_args(args, training.tokens_per_iteration)
-    return PretrainConfig(model, data, training, logging, checkpoint, exit_config, flags=vars(args), distill=distill,
-                          dry_run=args.dry_run)
+    return PretrainConfig(
+        model, data, training, logging, checkpoint, exit_config, flags=vars(args), distill=distill, dry_run=args.dry_run
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:

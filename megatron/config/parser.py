@@ -44,8 +44,11 @@ class FlagParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         argv = sys.argv[1:] if args is None else list(args)
         # a misspelled flag first: argparse would otherwise report the flag it hides as missing
-        misspelled = [token for token in argv if token.startswith("--") and token.split("=", 1)[0] not in
-                      self._option_string_actions]
+        misspelled = [
+            token
+            for token in argv
+            if token.startswith("--") and token.split("=", 1)[0] not in self._option_string_actions
+        ]
         if misspelled:
             self.error(self._unknown(misspelled))
         parsed, unknown = self.parse_known_args(argv, namespace)
@@ -85,6 +88,7 @@ def _ranged(base: Callable[[str], float | int], ok: Callable[[float], bool], wha
         if not ok(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
+
     parse.__name__ = what  # argparse names the type in its own messages
     return parse
 

@@ -15,12 +15,18 @@ from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, Validation
 
 from megatron.config.config_file import read_config_source
 from megatron.config.deepspeed_keys import (
-    ActivationCheckpointingConfig, AioKeys, BF16Keys, FP16Keys, OffloadOptimizerKeys, OptimizerKeys, TopLevelKeys,
-    ZeroKeys, refuse_unbuilt,
+    ActivationCheckpointingConfig,
+    AioKeys,
+    BF16Keys,
+    FP16Keys,
+    OffloadOptimizerKeys,
+    OptimizerKeys,
+    TopLevelKeys,
+    ZeroKeys,
+    refuse_unbuilt,
 )
 from megatron.config.schema_types import Beta, Count, NonNegative, Positive, PositiveCount, ScalePower, Section
 from megatron.errors import ConfigError
-
 
 ADAM_ONLY = ("adam_w_mode", "amsgrad")
 LAMB_ONLY = ("max_coeff", "min_coeff")
@@ -29,8 +35,12 @@ LAMB_ONLY = ("max_coeff", "min_coeff")
 class OptimizerParams(Section):
     """DeepSpeed's Adam/AdamW and Lamb parameters; only those given reach the optimizer, which
     supplies its own defaults (DeepSpeed's) for the rest."""
+
     lr: NonNegative = 1e-3
-    betas: Annotated[tuple[Beta, Beta], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] = (0.9, 0.999)
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] = (
+        0.9,
+        0.999,
+    )
     eps: Positive = 1e-8
     weight_decay: NonNegative = 0.0
     bias_correction: bool = True
@@ -80,13 +90,14 @@ class BF16Config(BF16Keys):
 
 class SchedulerConfig(Section):
     type: str
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class OffloadOptimizerConfig(OffloadOptimizerKeys):
     """`offload_optimizer`: where the fp32 optimizer state lives. "cpu": host memory, stepped by
     the native CPU Adam; "nvme": Adam's moments in swap files under nvme_path, moved by the
     async-I/O op through `buffer_count` locked buffers (pipelined with pipeline_read/write)."""
+
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     pin_memory: bool = False  # host buffers here are always the aio op's locked ones
@@ -101,6 +112,7 @@ class OffloadParamConfig(Section):
     are gathered from) live. "cpu": host memory, where CPU training keeps them anyway; "nvme":
     swap files under nvme_path, except the first `max_in_cpu` elements of each rank, read ahead of
     use through `buffer_count` locked buffers of up to `buffer_size` elements."""
+
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     pin_memory: bool = False  # host buffers here are always the aio op's locked ones
@@ -111,6 +123,7 @@ class OffloadParamConfig(Section):
 
 class ZeroConfig(ZeroKeys):
     """DeepSpeed's `zero_optimization` block. Sizes count elements, as in DeepSpeed."""
+
     stage: Literal[0, 1, 2, 3] = 0
     # gradients are always views of one flat buffer here, so they are contiguous either way
     contiguous_gradients: bool = True
@@ -121,28 +134,42 @@ class ZeroConfig(ZeroKeys):
     sub_group_size: PositiveCount = 1_000_000_000  # the unit of optimizer swapping (offload)
     # DeepSpeed reads these with or without the stage3_ prefix
     stage3_prefetch_bucket_size: Count = Field(
-        50_000_000, validation_alias=AliasChoices("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
+        50_000_000, validation_alias=AliasChoices("stage3_prefetch_bucket_size", "prefetch_bucket_size")
+    )
     stage3_param_persistence_threshold: Count = Field(
-        100_000, validation_alias=AliasChoices("stage3_param_persistence_threshold", "param_persistence_threshold"))
+        100_000, validation_alias=AliasChoices("stage3_param_persistence_threshold", "param_persistence_threshold")
+    )
     stage3_max_live_parameters: PositiveCount = Field(
-        1_000_000_000, validation_alias=AliasChoices("stage3_max_live_parameters", "max_live_parameters"))
+        1_000_000_000, validation_alias=AliasChoices("stage3_max_live_parameters", "max_live_parameters")
+    )
     # Engine.save_16bit_model under stage 3 gathers the partitions only when asked to
-    stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
-        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save"))
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False,
+        validation_alias=AliasChoices(
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+        ),
+    )
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 
     def model_post_init(self, context: Any) -> None:
         if self.offload_optimizer.device != "none" and self.stage == 0:
-            raise ValueError("offload_optimizer needs ZeRO (stage 1, 2 or 3) to partition the state it moves; "
-                             "set zero_optimization.stage")
+            raise ValueError(
+                "offload_optimizer needs ZeRO (stage 1, 2 or 3) to partition the state it moves; "
+                "set zero_optimization.stage"
+            )
         if self.offload_param.device != "none" and self.stage != 3:
-            raise ValueError(f"offload_param needs zero_optimization.stage 3 (only stage 3 partitions parameters), "
-                             f"got stage {self.stage}; set stage 3 or drop offload_param")
+            raise ValueError(
+                f"offload_param needs zero_optimization.stage 3 (only stage 3 partitions parameters), "
+                f"got stage {self.stage}; set stage 3 or drop offload_param"
+            )
         if self.offload_param.device == "nvme" and self.offload_optimizer.device != "nvme":
-            raise ValueError("offload_param to nvme needs offload_optimizer.device \"nvme\" too: the optimizer steps "
-                             "the swapped master piece by piece through the swap files; set offload_optimizer.device")
+            raise ValueError(
+                'offload_param to nvme needs offload_optimizer.device "nvme" too: the optimizer steps '
+                "the swapped master piece by piece through the swap files; set offload_optimizer.device"
+            )
 
     @property
     def overlaps_communication(self) -> bool:
@@ -157,6 +184,7 @@ class ZeroConfig(ZeroKeys):
 
 class AioConfig(AioKeys):
     """The async-I/O handle settings for NVMe swapping (DeepNVMe's names and defaults)."""
+
     block_size: PositiveCount = 1_048_576
     queue_depth: PositiveCount = 8
     intra_op_parallelism: PositiveCount = 1
@@ -170,6 +198,7 @@ class AioConfig(AioKeys):
 
 class TensorBoardConfig(Section):
     """The engine's own scalars (loss, learning rate, loss scale by samples), DeepSpeed's layout."""
+
     enabled: bool = False
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
@@ -188,8 +217,9 @@ class RuntimeConfig(TopLevelKeys):
     # DeepSpeed's gradient averaging over data-parallel ranks: "sum" leaves the sum; with "mean",
     # gradients are divided by the predivide factor before the all-reduce and by dp/factor after,
     # or (prescale_gradients) by the data-parallel size before it
-    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(
-        lambda op: op.lower() if isinstance(op, str) else op)] = "mean"
+    gradient_allreduce_op: Annotated[
+        Literal["mean", "sum"], BeforeValidator(lambda op: op.lower() if isinstance(op, str) else op)
+    ] = "mean"
     prescale_gradients: bool = False
     gradient_predivide_factor: Positive = 1.0
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
@@ -200,7 +230,7 @@ class RuntimeConfig(TopLevelKeys):
 
     @property
     def precision(self) -> str:
-        """"fp16", "bf16" or "fp32": the dtype the forward runs in."""
+        """ "fp16", "bf16" or "fp32": the dtype the forward runs in."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
 
@@ -220,8 +250,11 @@ def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
         field = section.model_fields.get(_key_names(section).get(str(part), ""))
         if field is None:
             return None
-        inner = [kind for kind in get_args(field.annotation) or (field.annotation,)
-                 if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        inner = [
+            kind
+            for kind in get_args(field.annotation) or (field.annotation,)
+            if isinstance(kind, type) and issubclass(kind, BaseModel)
+        ]
         if not inner:
             return None
         section = inner[0]
@@ -231,6 +264,7 @@ def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
 @dataclass(frozen=True)
 class ConfigProblem:
     """The first problem pydantic found: where, why, and the sentence for the user."""
+
     loc: tuple[int | str, ...]
     value: Any
     reason: str
@@ -278,7 +312,9 @@ def load_runtime_config(config: dict[str, Any] | str | Path, dp_size: int) -> Ru
 def resolve_batch_sizes(config: RuntimeConfig, dp_size: int) -> RuntimeConfig:
     """train_batch_size = micro batch x accumulation steps x data-parallel size."""
     train, micro, accum = (
-        config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
     )
     if micro is None and accum is None:
         accum = 1
@@ -296,6 +332,10 @@ def resolve_batch_sizes(config: RuntimeConfig, dp_size: int) -> RuntimeConfig:
             f"gradient_accumulation_steps {accum} x data-parallel size {dp_size}; "
             "make the global batch a multiple of micro batch x data-parallel size"
         )
-    return config.model_copy(update={
-        "train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-    })
+    return config.model_copy(
+        update={
+            "train_batch_size": train,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accum,
+        }
+    )

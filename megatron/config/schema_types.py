@@ -23,4 +23,5 @@ Block = dict[str, Any]
 
 class Section(BaseModel):
     """Strict: "false" is not a boolean nor "1e-3" a number, no NaN or infinity, no unknown keys."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)

@@ -9,6 +9,7 @@ They are cached as .npy files next to the data so every rank and every restart r
 cache that does not fit the documents or is damaged is rebuilt (after one warning).
 """
 
+import itertools
 import logging
 import math
 import os
@@ -334,17 +335,17 @@ def _cumulative_bounds(weights: list[float], size: int) -> list[int]:
     ends = [0.0]
     for weight in weights:
         ends.append(ends[-1] + weight / total)
-    return [int(round(end * float(size))) for end in ends]
+    return [round(end * float(size)) for end in ends]
 
 
 def _legacy_bounds(splits_string: str, weights: list[float], size: int) -> list[int]:
     total = sum(weights)
     bounds = [0]
     for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight / total * float(size))))
+        bounds.append(bounds[-1] + round(weight / total * float(size)))
     excess = bounds[-1] - size
     bounds[1:] = [b - excess for b in bounds[1:]]
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
+    if any(b < a for a, b in itertools.pairwise(bounds)):
         raise ConfigError(
             f"--split {splits_string!r} cannot divide {size} sequences; give each non-zero split a larger weight."
         )
@@ -378,7 +379,9 @@ def _split_sequences(prefix: str, split: DataSplit | None, split_index: int) -> 
     indexed = MMapIndexedDataset(prefix)
     first, last = 0, len(indexed)
     if split is not None:
-        first, last = get_train_valid_test_split(split.splits_string, last, split.rounding)[split_index : split_index + 2]
+        first, last = get_train_valid_test_split(split.splits_string, last, split.rounding)[
+            split_index : split_index + 2
+        ]
     return indexed, np.arange(first, last, dtype=np.int32)
 
 
@@ -445,9 +448,7 @@ def build_train_valid_test_datasets(
         if own:
             datasets.append(_build_dataset(name, own, None, index, num_samples, seq_length, seed, vocab_size))
         elif data_prefix:
-            datasets.append(
-                _build_dataset(name, data_prefix, split, index, num_samples, seq_length, seed, vocab_size)
-            )
+            datasets.append(_build_dataset(name, data_prefix, split, index, num_samples, seq_length, seed, vocab_size))
         else:
             datasets.append(None)
     return tuple(datasets)

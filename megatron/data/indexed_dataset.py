@@ -90,7 +90,7 @@ class MMapIndexedDatasetBuilder:
                 )
         self._bin_path = bin_path
         self._tmp_path = bin_path + ".tmp"
-        self._file = open(self._tmp_path, "wb")
+        self._file = open(self._tmp_path, "wb")  # noqa: SIM115 (held until finalize, or __exit__)
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
 
@@ -140,13 +140,10 @@ def _read_header(index_file: str) -> tuple[np.dtype, int, int]:
         header = f.read(_HEADER.size)
     if not _MAGIC.startswith(header[: len(_MAGIC)]):
         raise DataError(
-            f"{index_file} is not a Megatron mmap index (bad magic bytes); "
-            "regenerate it with tools/preprocess_data.py."
+            f"{index_file} is not a Megatron mmap index (bad magic bytes); regenerate it with tools/preprocess_data.py."
         )
     if len(header) < _HEADER.size:
-        raise DataError(
-            f"{index_file} is truncated inside its header; regenerate it with tools/preprocess_data.py."
-        )
+        raise DataError(f"{index_file} is truncated inside its header; regenerate it with tools/preprocess_data.py.")
     _, version, code, num_sequences, num_doc_idx = _HEADER.unpack(header)
     if version != _VERSION:
         raise DataError(

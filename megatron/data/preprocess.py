@@ -129,8 +129,9 @@ def _tokenize_rows(
     results: Iterator[Encoded | None], builders: list[MMapIndexedDatasetBuilder], log_interval: int
 ) -> _Counts:
     """Write each row's documents in input order, and count what was skipped."""
-    counts = _Counts(rows=0, invalid_utf8=0, documents_with_tokens=[0] * len(builders),
-                     null_or_missing=[0] * len(builders))
+    counts = _Counts(
+        rows=0, invalid_utf8=0, documents_with_tokens=[0] * len(builders), null_or_missing=[0] * len(builders)
+    )
     # On stdout, so that stderr holds nothing but an error's one sentence; closed (ending its line)
     # before an error from the rows is printed.
     with tqdm(results, unit=" rows", miniters=log_interval, file=sys.stdout) as bar:
@@ -217,10 +218,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _preprocess(argv: list[str] | None) -> None:
     args = _parse_args(argv)
-    spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size,
-                         args.null_tokenizer_eod)
-    prefixes = preprocess(args.input, args.output_prefix, spec, args.json_keys, args.append_eod, args.workers,
-                          args.log_interval, args.skip_invalid_utf8)
+    spec = TokenizerSpec(
+        args.tokenizer_type,
+        args.tokenizer_model,
+        args.vocab_file,
+        args.merge_file,
+        args.vocab_size,
+        args.null_tokenizer_eod,
+    )
+    prefixes = preprocess(
+        args.input,
+        args.output_prefix,
+        spec,
+        args.json_keys,
+        args.append_eod,
+        args.workers,
+        args.log_interval,
+        args.skip_invalid_utf8,
+    )
     for prefix in prefixes:
         print(f"wrote {prefix}.bin and {prefix}.idx")
 

@@ -5,6 +5,7 @@ BPE (vocab.json + merges.txt, implemented here), and a Null tokenizer whose "tex
 """
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -164,7 +165,7 @@ class GPT2BPETokenizer(Tokenizer):
         """Merge the lowest-ranked adjacent pair everywhere, repeatedly, until no pair has a rank."""
         parts = list(word)
         while len(parts) > 1:
-            pairs = list(zip(parts, parts[1:]))
+            pairs = list(itertools.pairwise(parts))
             best = min(pairs, key=lambda pair: self._ranks.get(pair, len(self._ranks)))
             if best not in self._ranks:
                 break

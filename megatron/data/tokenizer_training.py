@@ -32,8 +32,9 @@ def _read_sentences(path: str, json_keys: list[str]) -> Iterator[str]:
     if suffix(path) not in READERS:
         yield from tqdm(_text_lines(path), desc=os.path.basename(path), unit=" lines")
         return
-    for texts in tqdm(corpus_rows([path], json_keys, skip_invalid_utf8=False), desc=os.path.basename(path),
-                      unit=" rows"):
+    for texts in tqdm(
+        corpus_rows([path], json_keys, skip_invalid_utf8=False), desc=os.path.basename(path), unit=" rows"
+    ):
         for text in texts or ():
             yield from (part for part in (text or "").splitlines() if part.strip())
 
@@ -92,7 +93,9 @@ def train_tokenizer(
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = FlagParser(description="Train a SentencePiece tokenizer for tools/preprocess_data.py.")
     parser.add_argument(
-        "--input", nargs="+", required=True,
+        "--input",
+        nargs="+",
+        required=True,
         help="plain-text files (one sentence per line), or .jsonl/.json/.csv/.parquet corpora",
     )
     parser.add_argument("--vocab-size", type=positive_int, required=True)
@@ -100,16 +103,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields read from each record")
     parser.add_argument("--character-coverage", type=positive_float, default=0.9995)
-    parser.add_argument("--max-sentence-length", type=positive_int, default=4192,
-                        help="longer sentences (in bytes) are skipped")
+    parser.add_argument(
+        "--max-sentence-length", type=positive_int, default=4192, help="longer sentences (in bytes) are skipped"
+    )
     return parser.parse_args(argv)
 
 
 def _train(argv: list[str] | None) -> None:
     args = _parse_args(argv)
     path = train_tokenizer(
-        args.input, args.vocab_size, args.model_prefix, args.model_type, args.json_keys,
-        args.character_coverage, args.max_sentence_length,
+        args.input,
+        args.vocab_size,
+        args.model_prefix,
+        args.model_type,
+        args.json_keys,
+        args.character_coverage,
+        args.max_sentence_length,
     )
     print(f"wrote {path}")
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import ENGINE_FILE, iteration_tag
+from megatron.checkpoint.tensors import ShardedReader, load_model_entries
 from megatron.checkpoint.verify import read_engine_meta, verify_folder
 from megatron.data.tokenizer import NULL_EOD_EXTRA, Tokenizer, build_tokenizer
 from megatron.errors import CheckpointError
@@ -20,7 +21,6 @@ from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
 from megatron.model.tensor_parallel import TensorParallel
 from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
-from megatron.checkpoint.tensors import ShardedReader, load_model_entries
 
 TOKENIZER_FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")
 # GPTConfig fields under the names older checkpoints saved them with
@@ -80,7 +80,9 @@ def tokenizer_from_flags(flags: dict[str, Any], overrides: dict[str, str | None]
 
 
 def load_model(
-    load_dir: str | Path, grid: ParallelGrid | None = None, iteration: int | None = None,
+    load_dir: str | Path,
+    grid: ParallelGrid | None = None,
+    iteration: int | None = None,
     tokenizer_overrides: dict[str, str | None] | None = None,
 ) -> LoadedModel:
     """Build the saved model on `grid` (experts split over its expert-parallel group) and load it."""
@@ -92,7 +94,9 @@ def load_model(
     return LoadedModel(build_saved_model(folder, config, grid), tokenizer, config, int(client["iteration"]), folder)
 
 
-def build_saved_model(folder: Path, config: GPTConfig, grid: ParallelGrid, tp: TensorParallel = TensorParallel()) -> GPTModel:
+def build_saved_model(
+    folder: Path, config: GPTConfig, grid: ParallelGrid, tp: TensorParallel = TensorParallel()
+) -> GPTModel:
     """`config`'s model on `grid` with the weights of checkpoint `folder`, in eval mode (each rank
     reads only its own experts, whatever expert-parallel size saved them, and under tensor
     parallelism `tp` its slices)."""

@@ -33,7 +33,9 @@ def build_parser() -> FlagParser:
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--temperature", type=non_negative_float, default=1.0, help="0: greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k most likely tokens; 0: all")
-    g.add_argument("--top-p", type=positive_float, default=1.0, help="sample among the most likely tokens holding this mass")
+    g.add_argument(
+        "--top-p", type=positive_float, default=1.0, help="sample among the most likely tokens holding this mass"
+    )
     g.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -43,7 +45,9 @@ def prompts(args: argparse.Namespace, distributed: bool) -> Iterator[str]:
         yield from args.prompt
     elif args.prompt_file is not None:
         if not os.path.isfile(args.prompt_file):
-            raise ConfigError(f"--prompt-file {args.prompt_file} does not exist; pass a text file with one prompt per line")
+            raise ConfigError(
+                f"--prompt-file {args.prompt_file} does not exist; pass a text file with one prompt per line"
+            )
         with open(args.prompt_file, encoding="utf-8") as f:
             yield from (line.rstrip("\n") for line in f if line.strip())
     elif distributed:
@@ -68,7 +72,9 @@ def complete(loaded: LoadedModel, prompt: str, args: argparse.Namespace, generat
     ids = tokenizer.tokenize(prompt) or [tokenizer.eod]  # an empty prompt: start a new document
     prompt_1S = torch.tensor([ids], device=loaded.model.word_embeddings.weight.device)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    new = generate(loaded.model, prompt_1S, args.max_new_tokens, tokenizer.eod, sampling, tokenizer.vocab_size, generator)
+    new = generate(
+        loaded.model, prompt_1S, args.max_new_tokens, tokenizer.eod, sampling, tokenizer.vocab_size, generator
+    )
     return tokenizer.detokenize(ids + new[0])
 
 

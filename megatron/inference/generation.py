@@ -72,12 +72,17 @@ def generate(
 
 
 def generate_until(
-    model: GPTModel, tokenizer: Tokenizer, contexts: list[list[int]], until: list[str], max_new_tokens: int,
-    batch_size: int = 8, sampling: SamplingConfig = SamplingConfig(),
+    model: GPTModel,
+    tokenizer: Tokenizer,
+    contexts: list[list[int]],
+    until: list[str],
+    max_new_tokens: int,
+    batch_size: int = 8,
+    sampling: SamplingConfig = SamplingConfig(),
 ) -> list[str]:
     """Text generated after each context, cut before the first of the `until` strings (lm-eval's
     generate_until). Contexts of equal length run as one batch; one too long keeps its last tokens."""
-    contexts = [c[-(model.config.max_position_embeddings - 1):] or [tokenizer.eod] for c in contexts]
+    contexts = [c[-(model.config.max_position_embeddings - 1) :] or [tokenizer.eod] for c in contexts]
     device = model.word_embeddings.weight.device
     stop = (lambda ids: any(s in tokenizer.detokenize(ids) for s in until)) if until else None
     by_length: dict[int, list[int]] = {}
@@ -86,7 +91,7 @@ def generate_until(
     texts = [""] * len(contexts)
     for rows in by_length.values():
         for start in range(0, len(rows), batch_size):
-            batch = rows[start:start + batch_size]
+            batch = rows[start : start + batch_size]
             prompt_BS = torch.tensor([contexts[i] for i in batch], device=device)
             new = generate(model, prompt_BS, max_new_tokens, tokenizer.eod, sampling, tokenizer.vocab_size, stop=stop)
             for i, ids in zip(batch, new):

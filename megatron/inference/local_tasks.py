@@ -30,7 +30,9 @@ def last_word_accuracy(model: GPTModel, tokenizer: Tokenizer, docs: list[dict[st
     return sum(score.is_greedy for score in scores) / len(scores)
 
 
-def two_choice_accuracy(model: GPTModel, tokenizer: Tokenizer, docs: list[dict[str, Any]], batch_size: int = 8) -> float:
+def two_choice_accuracy(
+    model: GPTModel, tokenizer: Tokenizer, docs: list[dict[str, Any]], batch_size: int = 8
+) -> float:
     requests = [encode_pair(tokenizer, *pair) for doc in docs for pair in two_choice_pairs(doc)]
     scores = score_continuations(model, requests, batch_size)
     correct = 0

@@ -26,7 +26,9 @@ from megatron.model import GPTModel
 
 def indexed_tokens(prefix: str) -> Iterator[list[int]]:
     if not dataset_exists(prefix):
-        raise DataError(f"no {prefix}.bin/.idx; pass the --output-prefix of tools/preprocess_data.py plus _text_document")
+        raise DataError(
+            f"no {prefix}.bin/.idx; pass the --output-prefix of tools/preprocess_data.py plus _text_document"
+        )
     dataset = MMapIndexedDataset(prefix)
     for i in range(len(dataset)):
         yield dataset[i].tolist()
@@ -46,8 +48,9 @@ def token_stream(documents: Iterator[list[int]], max_tokens: int | None) -> list
     return stream
 
 
-def stream_perplexity(model: GPTModel, stream: list[int], batch_size: int = 8,
-                      progress: bool = False) -> tuple[float, int]:
+def stream_perplexity(
+    model: GPTModel, stream: list[int], batch_size: int = 8, progress: bool = False
+) -> tuple[float, int]:
     """Mean negative log-likelihood per predicted token, and how many tokens were predicted; with
     `progress`, a bar of tokens scored on stderr."""
     if len(stream) < 2:
@@ -58,7 +61,7 @@ def stream_perplexity(model: GPTModel, stream: list[int], batch_size: int = 8,
         # one batch per call, so the bar moves as work is done; every window but the last has the
         # model's full length, so these are the batches one call over all windows would form
         for start in range(0, len(windows), batch_size):
-            batch = windows[start:start + batch_size]
+            batch = windows[start : start + batch_size]
             total += sum(score.logprob for score in score_continuations(model, batch, batch_size))
             bar.update(sum(len(continuation) for _, continuation in batch))
     return -total / (len(stream) - 1), len(stream) - 1
@@ -86,8 +89,9 @@ def evaluate(args: argparse.Namespace) -> None:
         raise ConfigError("--max-tokens must be at least 2: the first token is only read, never predicted")
     grid = inference_grid()
     loaded = load_from_args(args, grid)
-    documents = (indexed_tokens(args.data_path) if args.data_path
-                 else jsonl_tokens(args.jsonl, args.json_key, loaded.tokenizer))
+    documents = (
+        indexed_tokens(args.data_path) if args.data_path else jsonl_tokens(args.jsonl, args.json_key, loaded.tokenizer)
+    )
     stream = token_stream(documents, args.max_tokens)
     loss, count = stream_perplexity(loaded.model, stream, args.batch_size, progress=grid.is_first_rank)
     if grid.is_first_rank:

@@ -24,7 +24,9 @@ class SamplingConfig:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
 
 
-def sample_next(logits_BV: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits_BV: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One token id per row [B]."""
     if sampling.temperature == 0:
         return logits_BV.argmax(dim=-1)

@@ -37,7 +37,7 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> Reques
     if not context:
         return [tokenizer.eod], tokenizer.tokenize(continuation)
     whole, context_ids = tokenizer.tokenize(context + continuation), tokenizer.tokenize(context)
-    return context_ids, whole[len(context_ids):]
+    return context_ids, whole[len(context_ids) :]
 
 
 @torch.no_grad()
@@ -50,25 +50,28 @@ def score_continuations(model: GPTModel, requests: Sequence[Request], batch_size
         if not context or not continuation:
             raise ConfigError("a scoring request needs at least one context and one continuation token")
         if len(continuation) > max_len:
-            raise ConfigError(f"a continuation of {len(continuation)} tokens does not fit the model's context of {max_len}")
+            raise ConfigError(
+                f"a continuation of {len(continuation)} tokens does not fit the model's context of {max_len}"
+            )
     device = model.word_embeddings.weight.device
     # the model reads every token but the last; the last len(continuation) outputs predict it
-    inputs = [(list(ctx) + list(cont))[-(max_len + 1):-1] for ctx, cont in requests]
+    inputs = [(list(ctx) + list(cont))[-(max_len + 1) : -1] for ctx, cont in requests]
     order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
     scores: list[Score | None] = [None] * len(requests)
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         width = len(inputs[rows[0]])
         tokens_BS = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for b, i in enumerate(rows):
-            tokens_BS[b, :len(inputs[i])] = torch.tensor(inputs[i])
+            tokens_BS[b, : len(inputs[i])] = torch.tensor(inputs[i])
         logprobs_BSV = F.log_softmax(model(tokens_BS).float(), dim=-1)
         for b, i in enumerate(rows):
             target = torch.tensor(requests[i][1], device=device)
             end = len(inputs[i])
-            logprobs_CV = logprobs_BSV[b, end - len(target):end]
-            scores[i] = Score(float(logprobs_CV.gather(1, target[:, None]).sum()),
-                              bool((logprobs_CV.argmax(dim=-1) == target).all()))
+            logprobs_CV = logprobs_BSV[b, end - len(target) : end]
+            scores[i] = Score(
+                float(logprobs_CV.gather(1, target[:, None]).sum()), bool((logprobs_CV.argmax(dim=-1) == target).all())
+            )
     return scores
 
 
@@ -78,7 +81,7 @@ def rolling_windows(tokens: Sequence[int], max_length: int) -> list[Request]:
     requests, start = [], 1
     while start < len(tokens):
         stop = min(start + max_length, len(tokens))
-        requests.append((list(tokens[max(0, stop - 1 - max_length):start]), list(tokens[start:stop])))
+        requests.append((list(tokens[max(0, stop - 1 - max_length) : start]), list(tokens[start:stop])))
         start = stop
     return requests
 

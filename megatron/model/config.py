@@ -76,8 +76,7 @@ class GPTConfig:
     def _check_positions(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ConfigError(
-                f"unknown position embedding type {self.position_embedding_type!r}; "
-                "use learned_absolute, rope or none"
+                f"unknown position embedding type {self.position_embedding_type!r}; use learned_absolute, rope or none"
             )
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(
@@ -113,7 +112,9 @@ class GPTConfig:
     def _check_shared_experts(self) -> None:
         shared = self.moe_shared_expert_intermediate_size
         if self.moe_shared_expert_gate and shared is None:
-            raise ConfigError("--moe-shared-expert-gate gates the shared experts; add --moe-shared-expert-intermediate-size")
+            raise ConfigError(
+                "--moe-shared-expert-gate gates the shared experts; add --moe-shared-expert-intermediate-size"
+            )
         if shared is not None and not self.is_moe:
             raise ConfigError(
                 "--moe-shared-expert-intermediate-size adds shared experts to MoE layers, but this model has none; "
@@ -126,15 +127,21 @@ class GPTConfig:
             )
 
     def differences(self, other: "GPTConfig", fields: tuple[str, ...]) -> list[str]:
-        """"name <other's> there, <ours> here" for each of `fields` where `other` (a checkpoint's) differs."""
-        return [f"{name} {getattr(other, name)} there, {getattr(self, name)} here" for name in fields
-                if getattr(self, name) != getattr(other, name)]
+        """ "name <other's> there, <ours> here" for each of `fields` where `other` (a checkpoint's) differs."""
+        return [
+            f"{name} {getattr(other, name)} there, {getattr(self, name)} here"
+            for name in fields
+            if getattr(self, name) != getattr(other, name)
+        ]
 
     @property
     def experts_per_layer(self) -> list[int]:
         """Expert count of each layer, 1 for a dense MLP layer."""
-        counts = iter(self.num_experts * (self.num_layers // self.expert_interval) if len(self.num_experts) == 1
-                      else self.num_experts)
+        counts = iter(
+            self.num_experts * (self.num_layers // self.expert_interval)
+            if len(self.num_experts) == 1
+            else self.num_experts
+        )
         return [next(counts) if (n + 1) % self.expert_interval == 0 else 1 for n in range(self.num_layers)]
 
     @property

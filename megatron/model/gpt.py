@@ -29,8 +29,14 @@ from megatron.model.moe import MoELayer
 from megatron.model.moe.shared_expert import SharedExpert
 from megatron.model.pipeline_stage import PipelineStage
 from megatron.model.tensor_parallel import (
-    ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, copy_to_tp_region,
-    gather_from_tp_region, scatter_to_sequence_region, sequence_gathered_linear, vocab_parallel_cross_entropy,
+    ColumnParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    scatter_to_sequence_region,
+    sequence_gathered_linear,
+    vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
 
@@ -47,15 +53,22 @@ class StageLayers(nn.ModuleList):
 
 class GPTModel(nn.Module):
     def __init__(
-        self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None, tp: TensorParallel = TensorParallel(),
+        self,
+        config: GPTConfig,
+        ep_group: dist.ProcessGroup | None = None,
+        tp: TensorParallel = TensorParallel(),
         stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         if config.vocab_size is None:
-            raise ValueError("GPTConfig.vocab_size must be set (the padded tokenizer vocabulary) before building the model")
+            raise ValueError(
+                "GPTConfig.vocab_size must be set (the padded tokenizer vocabulary) before building the model"
+            )
         if tp.enabled and config.is_moe and not tp.sequence_parallel:  # Megatron-Core's rule too
-            raise ConfigError(f"MoE layers under --tensor-model-parallel-size {tp.size} route each rank's share of the "
-                              "sequence; add --sequence-parallel")
+            raise ConfigError(
+                f"MoE layers under --tensor-model-parallel-size {tp.size} route each rank's share of the "
+                "sequence; add --sequence-parallel"
+            )
         self.config = config
         self.tp = tp
         self.stage = stage = stage or PipelineStage(0, 1, 0, config.num_layers)
@@ -98,11 +111,19 @@ class GPTModel(nn.Module):
         if num_experts == 1:
             return MLP(config, tp=tp)
         return MoELayer(
-            config.hidden_size, config.moe_ffn_hidden_size, num_experts, config.moe,
-            init_std=config.init_method_std, output_init_std=output_layer_std(config), ep_group=ep_group,
+            config.hidden_size,
+            config.moe_ffn_hidden_size,
+            num_experts,
+            config.moe,
+            init_std=config.init_method_std,
+            output_init_std=output_layer_std(config),
+            ep_group=ep_group,
             residual_mlp=MLP(config) if config.mlp_type == "residual" else None,
-            shared_expert=GPTModel._shared_expert(config), swiglu=config.swiglu, bias=config.add_bias_linear,
-            sequence_group=tp.group if tp.sequence_parallel else None, expert_tp_group=tp.expert_group,
+            shared_expert=GPTModel._shared_expert(config),
+            swiglu=config.swiglu,
+            bias=config.add_bias_linear,
+            sequence_group=tp.group if tp.sequence_parallel else None,
+            expert_tp_group=tp.expert_group,
         )
 
     @staticmethod
@@ -110,18 +131,29 @@ class GPTModel(nn.Module):
         width = config.moe_shared_expert_intermediate_size
         if width is None:
             return None
-        return SharedExpert(MLP(config, width), config.hidden_size, config.moe_shared_expert_gate, config.init_method_std)
+        return SharedExpert(
+            MLP(config, width), config.hidden_size, config.moe_shared_expert_gate, config.init_method_std
+        )
 
     def new_kv_cache(self, batch: int, max_length: int | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_length` tokens (default: the most
         positions the model has)."""
         if self.tp.enabled or self.stage.size > 1:
-            raise ConfigError("generation with a key/value cache under tensor or pipeline parallelism is not built "
-                              "yet; generate from the checkpoint on one process (tools/generate.py loads any layout)")
+            raise ConfigError(
+                "generation with a key/value cache under tensor or pipeline parallelism is not built "
+                "yet; generate from the checkpoint on one process (tools/generate.py loads any layout)"
+            )
         c = self.config
         weight = self.word_embeddings.weight
-        return KVCache(c.num_layers, batch, c.kv_heads, max_length or c.max_position_embeddings,
-                       c.head_dim, dtype=weight.dtype, device=weight.device)
+        return KVCache(
+            c.num_layers,
+            batch,
+            c.kv_heads,
+            max_length or c.max_position_embeddings,
+            c.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
 
     def forward(
         self,
@@ -139,7 +171,9 @@ class GPTModel(nn.Module):
         before the last returns its hidden states and its MoE router loss."""
         if position_ids_BS is None:
             start = 0 if kv_cache is None else kv_cache.length
-            position_ids_BS = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+            position_ids_BS = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device).expand_as(
+                tokens_BS
+            )
         if self.stage.is_first:
             x_BSH = self.word_embeddings(tokens_BS)
             if self.position_embeddings is not None:

@@ -36,8 +36,14 @@ class KVCache:
     """Every layer's cache, all at the same length: the position of the next token."""
 
     def __init__(
-        self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         shape = (batch, kv_heads, max_length, head_dim)
         self.layers = [

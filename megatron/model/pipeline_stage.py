@@ -37,10 +37,17 @@ def layer_counts(num_layers: int, pp_size: int, first: int | None = None, last: 
     fixed = [count for count in (first, last) if count is not None]
     middle_stages = pp_size - len(fixed)
     rest = num_layers - sum(fixed)
-    if any(count < 1 for count in fixed) or rest < (middle_stages if middle_stages else 0) or (
-            middle_stages and rest % middle_stages) or (not middle_stages and rest):
-        given = "".join(f" --decoder-{name}-pipeline-num-layers {count}" for name, count in (("first", first), ("last", last))
-                        if count is not None)
+    if (
+        any(count < 1 for count in fixed)
+        or rest < (middle_stages if middle_stages else 0)
+        or (middle_stages and rest % middle_stages)
+        or (not middle_stages and rest)
+    ):
+        given = "".join(
+            f" --decoder-{name}-pipeline-num-layers {count}"
+            for name, count in (("first", first), ("last", last))
+            if count is not None
+        )
         raise ConfigError(
             f"--num-layers {num_layers} cannot be split over --pipeline-model-parallel-size {pp_size}{given}: "
             "every stage needs at least one layer and the stages without a given count an equal share; "
@@ -55,7 +62,8 @@ def layer_counts(num_layers: int, pp_size: int, first: int | None = None, last: 
     return counts
 
 
-def pipeline_stage(num_layers: int, pp_size: int, pp_rank: int, first: int | None = None,
-                   last: int | None = None) -> PipelineStage:
+def pipeline_stage(
+    num_layers: int, pp_size: int, pp_rank: int, first: int | None = None, last: int | None = None
+) -> PipelineStage:
     counts = layer_counts(num_layers, pp_size, first, last)
     return PipelineStage(pp_rank, pp_size, sum(counts[:pp_rank]), counts[pp_rank])

@@ -42,6 +42,7 @@ class TensorParallel:
     """What a model's modules need to know of tensor parallelism: the group, whether the
     activations between the tensor-parallel regions are split along the sequence, and the group
     over which each expert's hidden features are split (expert tensor parallelism)."""
+
     group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
     expert_group: dist.ProcessGroup | None = None
@@ -61,6 +62,7 @@ class TensorParallelSplit:
     `partition_sizes` (full widths) on its own, or the whole dim as one part when None; this rank
     holds slice `rank` of `size`. Checkpoints use it to save and load whole tensors, or this rank's
     slice under `entry_name`, whatever the tensor-parallel size of the run that reads them."""
+
     dim: int
     partition_sizes: tuple[int, ...] | None
     rank: int
@@ -115,18 +117,27 @@ def _partition(width: int, size: int, partition_sizes: Sequence[int] | None, wha
     """The widths of the parts that make up `width` (one part unless given), each checked to split evenly."""
     parts = list(partition_sizes) if partition_sizes is not None else [width]
     if sum(parts) != width:
-        raise ConfigError(f"the partition sizes {parts} of {what} add up to {sum(parts)}, not {width}; list the width of every part")
+        raise ConfigError(
+            f"the partition sizes {parts} of {what} add up to {sum(parts)}, not {width}; list the width of every part"
+        )
     for index, part in enumerate(parts):
         _check_divisible(part, size, what if len(parts) == 1 else f"part {index} of {what} {parts}", fix)
     return parts
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, size: int, partition_sizes: Sequence[int] | None = None) -> torch.Tensor:
+def shard(
+    full: torch.Tensor, dim: int, rank: int, size: int, partition_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     """Rank `rank`'s slice of `full` along `dim` out of `size`: the rank-th equal piece of every part,
     where `partition_sizes` lists the widths of the concatenated parts (e.g. q, k, v) or the whole
     dim is one part. A new tensor, not a view of `full`."""
-    parts = _partition(full.shape[dim], size, partition_sizes, f"dimension {dim} of a {tuple(full.shape)} tensor",
-                       "choose a tensor-parallel size that divides it")
+    parts = _partition(
+        full.shape[dim],
+        size,
+        partition_sizes,
+        f"dimension {dim} of a {tuple(full.shape)} tensor",
+        "choose a tensor-parallel size that divides it",
+    )
     return torch.cat([part.chunk(size, dim)[rank] for part in full.split(parts, dim)], dim)
 
 
@@ -135,8 +146,13 @@ def unshard(pieces: list[torch.Tensor], dim: int, partition_sizes: Sequence[int]
     are the FULL widths of the parts, as given to `shard`."""
     size = len(pieces)
     width = sum(piece.shape[dim] for piece in pieces)
-    parts = _partition(width, size, partition_sizes, f"dimension {dim} of the {size} pieces",
-                       "pass the partition sizes the pieces were sharded with")
+    parts = _partition(
+        width,
+        size,
+        partition_sizes,
+        f"dimension {dim} of the {size} pieces",
+        "pass the partition sizes the pieces were sharded with",
+    )
     pieces_by_part = [piece.split([part // size for part in parts], dim) for piece in pieces]  # [rank][part]
     return torch.cat([by_part[index] for index in range(len(parts)) for by_part in pieces_by_part], dim)
 
@@ -155,8 +171,12 @@ def _sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
 
 def _even_chunks(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> tuple[int, list[torch.Tensor]]:
     rank, size = tp_rank_and_size(group)
-    _check_divisible(x.shape[dim], size, f"dimension {dim} of a {tuple(x.shape)} activation",
-                     "choose a sequence length (under sequence parallelism) or a width that is a multiple of it")
+    _check_divisible(
+        x.shape[dim],
+        size,
+        f"dimension {dim} of a {tuple(x.shape)} activation",
+        "choose a sequence length (under sequence parallelism) or a width that is a multiple of it",
+    )
     return rank, [chunk.contiguous() for chunk in x.chunk(size, dim)]
 
 
@@ -190,8 +210,9 @@ class _Mapping(torch.autograd.Function):
     """A collective in the forward and its adjoint in the backward, along `dim` over `group`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_op: Collective, backward_op: Collective, dim: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, forward_op: Collective, backward_op: Collective, dim: int, group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.backward_op, ctx.dim, ctx.group = backward_op, dim, group
         return forward_op(x, dim, group)
 
@@ -200,8 +221,9 @@ class _Mapping(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
-def _map(x: torch.Tensor, forward_op: Collective, backward_op: Collective, dim: int,
-         group: dist.ProcessGroup | None) -> torch.Tensor:
+def _map(
+    x: torch.Tensor, forward_op: Collective, backward_op: Collective, dim: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     if not is_parallel(group):
         return x
     return _Mapping.apply(x, forward_op, backward_op, dim, group)
@@ -243,8 +265,9 @@ def reduce_scatter_to_sequence_region(x_BSH: torch.Tensor, group: dist.ProcessGr
     return _map(x_BSH, _reduce_scatter, _gather, SEQUENCE_DIM, group)
 
 
-def mark_split(param: nn.Parameter, dim: int, group: dist.ProcessGroup | None,
-               partition_sizes: Sequence[int] | None = None) -> None:
+def mark_split(
+    param: nn.Parameter, dim: int, group: dist.ProcessGroup | None, partition_sizes: Sequence[int] | None = None
+) -> None:
     """Record on `param`, this rank's slice along `dim` over `group`, how it was split (nothing
     without a group of more than one rank)."""
     rank, size = tp_rank_and_size(group)
@@ -259,8 +282,9 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     autocast it computes as autocast's linear does, in the autocast dtype, and saves x in it."""
 
     @staticmethod
-    def forward(ctx, x_BsH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, x_BsH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+    ) -> torch.Tensor:
         device = x_BsH.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.group, ctx.has_bias = group, bias is not None
@@ -285,8 +309,9 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def sequence_gathered_linear(x_BsH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: dist.ProcessGroup | None) -> torch.Tensor:
+def sequence_gathered_linear(
+    x_BsH: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """The column-parallel product of the whole sequence under sequence parallelism: this rank's
     [B, s, H] positions all-gathered along S, times this rank's rows of W: [B, S, o]."""
     if not is_parallel(group):
@@ -294,8 +319,9 @@ def sequence_gathered_linear(x_BsH: torch.Tensor, weight: torch.Tensor, bias: to
     return _SequenceGatheredLinear.apply(x_BsH, weight, bias, group)
 
 
-def _slice_parameter(full: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None,
-                     partition_sizes: Sequence[int] | None = None) -> nn.Parameter | None:
+def _slice_parameter(
+    full: torch.Tensor | None, dim: int, group: dist.ProcessGroup | None, partition_sizes: Sequence[int] | None = None
+) -> nn.Parameter | None:
     if full is None:
         return None
     rank, size = tp_rank_and_size(group)
@@ -314,12 +340,20 @@ class ColumnParallelLinear(nn.Module):
     original feature order.
     """
 
-    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, gather_output: bool = False,
-                 sequence_parallel: bool = False, partition_sizes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        full: nn.Linear,
+        group: dist.ProcessGroup | None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        partition_sizes: Sequence[int] | None = None,
+    ) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         size = tp_rank_and_size(group)[1]
-        self.partition_sizes = _partition(full.out_features, size, partition_sizes, "ColumnParallelLinear's out_features", LINEAR_FIX)
+        self.partition_sizes = _partition(
+            full.out_features, size, partition_sizes, "ColumnParallelLinear's out_features", LINEAR_FIX
+        )
         self.weight = _slice_parameter(full.weight, 0, group, self.partition_sizes)
         self.bias = _slice_parameter(full.bias, 0, group, self.partition_sizes)
 
@@ -345,8 +379,13 @@ class RowParallelLinear(nn.Module):
     Output: y_BSH, replicated; with sequence_parallel this rank's y_BsH.
     """
 
-    def __init__(self, full: nn.Linear, group: dist.ProcessGroup | None, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        full: nn.Linear,
+        group: dist.ProcessGroup | None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         _partition(full.in_features, tp_rank_and_size(group)[1], None, "RowParallelLinear's in_features", LINEAR_FIX)
@@ -378,8 +417,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         rank, size = tp_rank_and_size(group)
-        _partition(full.num_embeddings, size, None, "the vocabulary size",
-                   "pad the vocabulary to a multiple of it with --make-vocab-size-divisible-by")
+        _partition(
+            full.num_embeddings,
+            size,
+            None,
+            "the vocabulary size",
+            "pad the vocabulary to a multiple of it with --make-vocab-size-divisible-by",
+        )
         self.vocab_start = rank * (full.num_embeddings // size)
         self.weight = _slice_parameter(full.weight, 0, group)
 
@@ -398,7 +442,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_BSv: torch.Tensor, labels_BS: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    def forward(
+        ctx, logits_BSv: torch.Tensor, labels_BS: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
         rank, _ = tp_rank_and_size(group)
         logits_BSv32 = logits_BSv.float()
         max_BS = logits_BSv32.max(dim=-1).values
@@ -425,12 +471,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_BS: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         softmax_BSv, local_labels_BS, mine_BS = ctx.saved_tensors
         # d loss / d logits = softmax - one_hot(label); the one-hot lies on the rank holding the label.
-        grad_BSv = softmax_BSv.scatter_add(-1, local_labels_BS.unsqueeze(-1), -mine_BS.unsqueeze(-1).to(softmax_BSv.dtype))
+        grad_BSv = softmax_BSv.scatter_add(
+            -1, local_labels_BS.unsqueeze(-1), -mine_BS.unsqueeze(-1).to(softmax_BSv.dtype)
+        )
         return (grad_BSv * grad_BS.unsqueeze(-1)).to(ctx.logits_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_BSv: torch.Tensor, labels_BS: torch.Tensor,
-                                 group: dist.ProcessGroup | None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_BSv: torch.Tensor, labels_BS: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Per-token cross-entropy [B, S] in fp32 of logits split over the vocabulary (rank r holds ids
     [r*v, (r+1)*v)), equal to F.cross_entropy(reduction="none") of the gathered logits without
     gathering them: two all-reduces of [B, S] values (the max, then the target logit and the sum of

@@ -57,8 +57,10 @@ def split_heads_evenly(config: GPTConfig, tp: TensorParallel) -> None:
     """Tensor parallelism gives each rank whole heads and whole key/value groups."""
     for count, flag in ((config.num_attention_heads, "--num-attention-heads"), (config.kv_heads, "--num-query-groups")):
         if count % tp.size:
-            raise ConfigError(f"{flag} {count} cannot be split over --tensor-model-parallel-size {tp.size}; "
-                              "choose a tensor-parallel size that divides the heads and the key/value groups")
+            raise ConfigError(
+                f"{flag} {count} cannot be split over --tensor-model-parallel-size {tp.size}; "
+                "choose a tensor-parallel size that divides the heads and the key/value groups"
+            )
 
 
 class RotaryEmbedding(nn.Module):
@@ -119,8 +121,9 @@ class CausalSelfAttention(nn.Module):
         init_linear_(self.dense, output_layer_std(config))
         if tp.enabled:  # the grouped layout splits into whole groups as it is; [3, N, D] part by part
             parts = None if self.grouped_layout else [query_width, kv_width, kv_width]
-            self.query_key_value = ColumnParallelLinear(self.query_key_value, tp.group, sequence_parallel=tp.sequence_parallel,
-                                                        partition_sizes=parts)
+            self.query_key_value = ColumnParallelLinear(
+                self.query_key_value, tp.group, sequence_parallel=tp.sequence_parallel, partition_sizes=parts
+            )
             self.dense = RowParallelLinear(self.dense, tp.group, sequence_parallel=tp.sequence_parallel)
         self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
@@ -167,8 +170,13 @@ class CausalSelfAttention(nn.Module):
             k_BGSD = k_BGSD.repeat_interleave(self.kv_repeats, dim=1)
             v_BGSD = v_BGSD.repeat_interleave(self.kv_repeats, dim=1)
         out_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BGSD, v_BGSD, attn_mask=mask_SK, is_causal=past == 0 and seq > 1,
-            dropout_p=self.dropout_p if self.training else 0.0, **({"enable_gqa": True} if self.sdpa_gqa else {}),
+            q_BNSD,
+            k_BGSD,
+            v_BGSD,
+            attn_mask=mask_SK,
+            is_causal=past == 0 and seq > 1,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            **({"enable_gqa": True} if self.sdpa_gqa else {}),
         )
         return self.dense(out_BNSD.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
@@ -194,7 +202,9 @@ def swiglu(x_BSF2: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """Dense MLP: H -> F -> H with GELU, or with --swiglu H -> 2F -> (SwiGLU) F -> H. Works on any leading shape."""
 
-    def __init__(self, config: GPTConfig, ffn_hidden_size: int | None = None, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self, config: GPTConfig, ffn_hidden_size: int | None = None, tp: TensorParallel = TensorParallel()
+    ) -> None:
         """`ffn_hidden_size` overrides the config's F (shared experts have a width of their own)."""
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_hidden_size
@@ -204,8 +214,12 @@ class MLP(nn.Module):
         init_linear_(self.dense_h_to_4h, config.init_method_std)
         init_linear_(self.dense_4h_to_h, output_layer_std(config))
         if tp.enabled:  # SwiGLU's gate and up halves split each on its own
-            self.dense_h_to_4h = ColumnParallelLinear(self.dense_h_to_4h, tp.group, sequence_parallel=tp.sequence_parallel,
-                                                      partition_sizes=[ffn, ffn] if config.swiglu else None)
+            self.dense_h_to_4h = ColumnParallelLinear(
+                self.dense_h_to_4h,
+                tp.group,
+                sequence_parallel=tp.sequence_parallel,
+                partition_sizes=[ffn, ffn] if config.swiglu else None,
+            )
             self.dense_4h_to_h = RowParallelLinear(self.dense_4h_to_h, tp.group, sequence_parallel=tp.sequence_parallel)
         self.activation = swiglu if config.swiglu else F.gelu
 
@@ -228,5 +242,7 @@ class TransformerBlock(nn.Module):
         """Returns the block's output and its MoE router loss (zero for a dense MLP)."""
         x_BSH = x_BSH + self.dropout(self.self_attention(self.input_layernorm(x_BSH), position_ids_BS, kv_cache))
         mlp_out = self.mlp(self.post_attention_layernorm(x_BSH))
-        mlp_out, router_loss = mlp_out if isinstance(mlp_out, tuple) else (mlp_out, x_BSH.new_zeros((), dtype=torch.float32))
+        mlp_out, router_loss = (
+            mlp_out if isinstance(mlp_out, tuple) else (mlp_out, x_BSH.new_zeros((), dtype=torch.float32))
+        )
         return x_BSH + self.dropout(mlp_out), router_loss

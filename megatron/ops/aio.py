@@ -68,16 +68,18 @@ class _LockedRegion(NamedTuple):
     nbytes: int
 
 
-class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchanged)
-    def __init__(self, block_size=1048576, queue_depth=128, single_submit=False, overlap_events=False,
-                 intra_op_parallelism=1):
+class aio_handle:
+    def __init__(
+        self, block_size=1048576, queue_depth=128, single_submit=False, overlap_events=False, intra_op_parallelism=1
+    ):
         self._block_size = _positive("block_size", block_size)
         self._queue_depth = _positive("queue_depth", queue_depth)
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
         self._intra_op_parallelism = _positive("intra_op_parallelism", intra_op_parallelism)
-        self._impl = extension().Handle(self._block_size, self._queue_depth, self._single_submit,
-                                        self._overlap_events, self._intra_op_parallelism)
+        self._impl = extension().Handle(
+            self._block_size, self._queue_depth, self._single_submit, self._overlap_events, self._intra_op_parallelism
+        )
         self._pending = []  # one (tensor, host tensor, finish callable or None) per async op
         self._locked = {}  # data_ptr -> _LockedRegion of tensors from new_cpu_locked_tensor
 
@@ -121,8 +123,14 @@ class aio_handle:  # noqa: N801  (DeepNVMe's name, so tutorial code runs unchang
     def async_pread(self, buffer, filename, file_offset=0):
         return self.pread(buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | os.PathLike | int | None = None,
-                     file_offset: int = 0, *, fd: int | None = None) -> int:
+    def async_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str | os.PathLike | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
         """Queue a write to `filename`, or, as DeepNVMe's overload, through `fd`: an int open for
         writing, given in filename's place or as fd=. The bytes land at file_offset (also with
         O_APPEND) and the file keeps what lies beyond; the caller may close fd once this returns."""
@@ -249,15 +257,20 @@ def _validate(tensor, path, file_offset):
     count = int(differ.sum())
     if count:
         first = int(differ.to(torch.uint8).argmax())
-        raise OSError(errno.EIO, f"validation failed: {count} bytes differ from the file, the first at byte "
-                                 f"{first} after file offset {file_offset}", path)
+        raise OSError(
+            errno.EIO,
+            f"validation failed: {count} bytes differ from the file, the first at byte "
+            f"{first} after file offset {file_offset}",
+            path,
+        )
 
 
-class gds_handle:  # noqa: N801
+class gds_handle:
     """GPUDirect Storage handle: same constructor as aio_handle; every method raises here."""
 
-    def __init__(self, block_size=1048576, queue_depth=128, single_submit=False, overlap_events=False,
-                 intra_op_parallelism=1):
+    def __init__(
+        self, block_size=1048576, queue_depth=128, single_submit=False, overlap_events=False, intra_op_parallelism=1
+    ):
         self._config = (block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism)
 
     def __getattr__(self, name):
@@ -267,5 +280,7 @@ class gds_handle:  # noqa: N801
         def unavailable(*args, **kwargs):
             raise RuntimeError(
                 "GPUDirect Storage is not available on this machine: it needs a CUDA GPU, NVIDIA's "
-                "cuFile library and a GDS-enabled file system; use aio_handle instead.")
+                "cuFile library and a GDS-enabled file system; use aio_handle instead."
+            )
+
         return unavailable

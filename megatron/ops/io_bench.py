@@ -12,9 +12,10 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,8 +24,10 @@ from megatron.entry_point import run_entry_point
 from megatron.errors import UserError
 
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_NO_GDS = ("--gds: GPUDirect Storage is not available here (it needs a CUDA GPU, cuFile and a GDS-enabled file "
-           "system): drop --gds.")
+_NO_GDS = (
+    "--gds: GPUDirect Storage is not available here (it needs a CUDA GPU, cuFile and a GDS-enabled file "
+    "system): drop --gds."
+)
 
 
 def parse_size(text: str | int) -> int:
@@ -53,9 +56,11 @@ class AioSettings:
     overlap_events: bool = False
 
     def describe(self) -> str:
-        return (f"block_size={format_size(self.block_size)} queue_depth={self.queue_depth} "
-                f"intra_op_parallelism={self.intra_op_parallelism} single_submit={self.single_submit} "
-                f"overlap_events={self.overlap_events}")
+        return (
+            f"block_size={format_size(self.block_size)} queue_depth={self.queue_depth} "
+            f"intra_op_parallelism={self.intra_op_parallelism} single_submit={self.single_submit} "
+            f"overlap_events={self.overlap_events}"
+        )
 
 
 def handle_factory(gds: bool = False) -> Callable[..., Any]:
@@ -84,8 +89,9 @@ def resolve_device(gpu: bool, gds: bool = False) -> torch.device:
 def check_folder(folder: Path, needed_bytes: int, flag: str = "--folder") -> None:
     """Stop with one sentence before any I/O if the folder is missing, read-only or too small."""
     if not folder.is_dir():
-        raise UserError(f"{flag} {folder} does not exist or is not a folder: create it or pass one on the drive "
-                        "to test.")
+        raise UserError(
+            f"{flag} {folder} does not exist or is not a folder: create it or pass one on the drive to test."
+        )
     probe = folder / f".ds_io_probe_{os.getpid()}"
     try:  # os.access says yes to root even on a read-only mount, so try a real write
         probe.write_bytes(b"")
@@ -94,8 +100,10 @@ def check_folder(folder: Path, needed_bytes: int, flag: str = "--folder") -> Non
         raise UserError(f"{flag} {folder} is not writable ({exc.strerror}): pass a folder you can write to.") from None
     free = shutil.disk_usage(folder).free
     if free < needed_bytes:
-        raise UserError(f"{flag} {folder} has {free / 2**30:.1f} GiB free but the test needs "
-                        f"{needed_bytes / 2**30:.1f} GiB: free space or lower --io_size.")
+        raise UserError(
+            f"{flag} {folder} has {free / 2**30:.1f} GiB free but the test needs "
+            f"{needed_bytes / 2**30:.1f} GiB: free space or lower --io_size."
+        )
 
 
 def drop_page_cache() -> bool:
@@ -115,7 +123,7 @@ def fill_pattern(buffer: torch.Tensor) -> None:
     pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).to(buffer.device)
     rows = buffer.numel() // pattern.numel()
     buffer[: rows * pattern.numel()].view(rows, -1).copy_(pattern)
-    buffer[rows * pattern.numel():].copy_(pattern[: buffer.numel() - rows * pattern.numel()])
+    buffer[rows * pattern.numel() :].copy_(pattern[: buffer.numel() - rows * pattern.numel()])
 
 
 class Workload:
@@ -126,8 +134,14 @@ class Workload:
     first (check_folder), so that a bad folder is reported before anything else.
     """
 
-    def __init__(self, folder: Path, io_size: int, requests: int = 1, locked: bool = True,
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        io_size: int,
+        requests: int = 1,
+        locked: bool = True,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         if requests < 1 or io_size % requests:
             raise UserError(f"--requests {requests} must be at least 1 and divide --io_size {io_size} bytes.")
         self.io_size = io_size
@@ -179,8 +193,16 @@ class Workload:
         return time.perf_counter() - start
 
 
-def measure(workload: Workload, settings: AioSettings, read: bool, loops: int = 3, warmup: int = 1,
-            sequential: bool = False, flush_cache: bool = False, gds: bool = False) -> dict[str, Any]:
+def measure(
+    workload: Workload,
+    settings: AioSettings,
+    read: bool,
+    loops: int = 3,
+    warmup: int = 1,
+    sequential: bool = False,
+    flush_cache: bool = False,
+    gds: bool = False,
+) -> dict[str, Any]:
     """Time `loops` passes after `warmup` untimed ones; GB/s of each pass and their median."""
     handle = handle_factory(gds)(**asdict(settings))
     gbps = []
@@ -190,9 +212,17 @@ def measure(workload: Workload, settings: AioSettings, read: bool, loops: int = 
         seconds = workload.run(handle, read, sequential)
         if i >= warmup:
             gbps.append(workload.io_size / seconds / 1e9)
-    return {"op": "read" if read else "write", "io_size": workload.io_size, "requests": len(workload.files),
-            "sequential_requests": sequential, "locked": workload.locked, "device": workload.device.type,
-            "settings": asdict(settings), "gbps": statistics.median(gbps), "loops_gbps": gbps}
+    return {
+        "op": "read" if read else "write",
+        "io_size": workload.io_size,
+        "requests": len(workload.files),
+        "sequential_requests": sequential,
+        "locked": workload.locked,
+        "device": workload.device.type,
+        "settings": asdict(settings),
+        "gbps": statistics.median(gbps),
+        "loops_gbps": gbps,
+    }
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -207,14 +237,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--intra_op_parallelism", type=positive_int, default=1)
     parser.add_argument("--single_submit", action="store_true")
     parser.add_argument("--overlap_events", action="store_true")
-    parser.add_argument("--requests", type=positive_int, default=1,
-                        help="split the pass into this many files and async ops")
-    parser.add_argument("--sequential_requests", action="store_true",
-                        help="wait after each async op instead of once after all (matters with --requests > 1)")
+    parser.add_argument(
+        "--requests", type=positive_int, default=1, help="split the pass into this many files and async ops"
+    )
+    parser.add_argument(
+        "--sequential_requests",
+        action="store_true",
+        help="wait after each async op instead of once after all (matters with --requests > 1)",
+    )
     parser.add_argument("--loops", type=positive_int, default=3)
     parser.add_argument("--warmup", type=non_negative_int, default=1)
-    parser.add_argument("--locked", action=argparse.BooleanOptionalAction, default=True,
-                        help="use page-locked buffers from new_cpu_locked_tensor")
+    parser.add_argument(
+        "--locked",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="use page-locked buffers from new_cpu_locked_tensor",
+    )
     parser.add_argument("--gpu", action="store_true", help="move data from/to a CUDA tensor")
     parser.add_argument("--flush_page_cache", action="store_true", help="drop the page cache before each read")
     return parser.parse_args(argv)
@@ -224,16 +262,23 @@ def flush_or_warn(requested: bool) -> bool:
     """Whether reads will be cold: --flush_page_cache asked for it and the kernel lets us drop the cache."""
     flush = requested and drop_page_cache()
     if requested and not flush:
-        print("warning: cannot drop the page cache here (needs root and a writable /proc/sys); reads may be warm",
-              file=sys.stderr)
+        print(
+            "warning: cannot drop the page cache here (needs root and a writable /proc/sys); reads may be warm",
+            file=sys.stderr,
+        )
     return flush
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """One measurement from ds_io's flags: prints its one-line summary and returns the numbers."""
     args = _parse_args(argv)
-    settings = AioSettings(parse_size(args.block_size), args.queue_depth, args.intra_op_parallelism,
-                           args.single_submit, args.overlap_events)
+    settings = AioSettings(
+        parse_size(args.block_size),
+        args.queue_depth,
+        args.intra_op_parallelism,
+        args.single_submit,
+        args.overlap_events,
+    )
     io_size = parse_size(args.io_size)
     check_folder(args.folder, io_size)
     device = resolve_device(args.gpu)
@@ -242,8 +287,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         workload.prepare(args.read)
         result = measure(workload, settings, args.read, args.loops, args.warmup, args.sequential_requests, flush)
     loops = " ".join(f"{g:.3f}" for g in result["loops_gbps"])
-    print(f"{result['op']} io_size={format_size(result['io_size'])} {settings.describe()}: "
-          f"{result['gbps']:.3f} GB/s (median; loops {loops})")
+    print(
+        f"{result['op']} io_size={format_size(result['io_size'])} {settings.describe()}: "
+        f"{result['gbps']:.3f} GB/s (median; loops {loops})"
+    )
     return result
 
 

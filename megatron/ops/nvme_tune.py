@@ -18,8 +18,16 @@ from tqdm import tqdm
 from megatron.config.parser import FlagParser, positive_int
 from megatron.entry_point import run_entry_point
 from megatron.errors import UserError
-from megatron.ops.io_bench import (AioSettings, Workload, check_folder, flush_or_warn, handle_factory, measure,
-                                   parse_size, resolve_device)
+from megatron.ops.io_bench import (
+    AioSettings,
+    Workload,
+    check_folder,
+    flush_or_warn,
+    handle_factory,
+    measure,
+    parse_size,
+    resolve_device,
+)
 
 # About 120 combinations, 2 loops each way: a few minutes on a drive doing 1-2 GB/s.
 DEFAULT_SWEEP: dict[str, list[Any]] = {
@@ -108,8 +116,15 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
                 bar.update()
         bar.close()
     best = {op: max((r for r in results if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
-    return {"io_size": io_size, "device": device.type, "gds": args.gds, "loops": args.loops,
-            "results": results, "best": best, "aio": best_settings(results)}
+    return {
+        "io_size": io_size,
+        "device": device.type,
+        "gds": args.gds,
+        "loops": args.loops,
+        "results": results,
+        "best": best,
+        "aio": best_settings(results),
+    }
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
@@ -119,8 +134,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             args.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"--log_dir {args.log_dir} cannot be made ({exc.strerror}): pass a folder you can "
-                            "write to.") from None
+            raise UserError(
+                f"--log_dir {args.log_dir} cannot be made ({exc.strerror}): pass a folder you can write to."
+            ) from None
     summary = tune(args)
     for op, r in summary["best"].items():
         print(f"best {op:5}: {r['gbps']:.3f} GB/s with {AioSettings(**r['settings']).describe()}")

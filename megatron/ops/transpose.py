@@ -21,8 +21,13 @@ def transposed_padded(a_pK: torch.Tensor, rows: int) -> torch.Tensor:
     p, k = a_pK.shape
     if not 0 <= rows <= p:
         raise ValueError(f"transposed_padded keeps 0..{p} rows of a [{p}, {k}] block, not {rows}")
-    if (_transpose is None or a_pK.dtype != torch.float32 or a_pK.device.type != "cpu"
-            or a_pK.stride(1) != 1 or a_pK.stride(0) < k):
+    if (
+        _transpose is None
+        or a_pK.dtype != torch.float32
+        or a_pK.device.type != "cpu"
+        or a_pK.stride(1) != 1
+        or a_pK.stride(0) < k
+    ):
         a_Kp = a_pK.t().contiguous()
         a_Kp[:, rows:] = 0
         return a_Kp

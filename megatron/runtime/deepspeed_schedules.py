@@ -62,24 +62,33 @@ def _flag(owner: str, name: str, value: Any) -> bool:
 def _per_group(owner: str, name: str, value: float | Sequence[float], groups: int) -> list[float]:
     """DeepSpeed accepts one value for all param groups or a list with one per group."""
     values = list(value) if isinstance(value, (list, tuple)) else [value] * groups
-    _check(len(values) == groups, f"scheduler {owner}: {name} has {len(values)} values for {groups} param groups; "
-           "give one value or one per group")
-    _check(all(_is_real(v) and v >= 0 for v in values),
-           f"scheduler {owner}: {name} must be non-negative numbers, got {value!r}")
+    _check(
+        len(values) == groups,
+        f"scheduler {owner}: {name} has {len(values)} values for {groups} param groups; "
+        "give one value or one per group",
+    )
+    _check(
+        all(_is_real(v) and v >= 0 for v in values),
+        f"scheduler {owner}: {name} must be non-negative numbers, got {value!r}",
+    )
     return [float(v) for v in values]
 
 
 def _bounds(owner: str, low: str, high: str, lows: list[float], highs: list[float], note: str = "") -> None:
     """One bound per param group each; `note` says where the upper bounds came from."""
-    _check(all(lo <= hi for lo, hi in zip(lows, highs)),
-           f"scheduler {owner}: {low} {lows} exceeds {high} {highs}{note}; give {low} <= {high} for every param group")
+    _check(
+        all(lo <= hi for lo, hi in zip(lows, highs)),
+        f"scheduler {owner}: {low} {lows} exceeds {high} {highs}{note}; give {low} <= {high} for every param group",
+    )
 
 
 def _warmup_type(owner: str, warmup_type: Any) -> str:
     # DeepSpeed warns and falls back to "log": a typo ("linaer") would silently change the schedule.
-    _check(warmup_type in WARMUP_TYPES,
-           f"scheduler {owner}: unknown warmup_type {warmup_type!r}; use one of {', '.join(WARMUP_TYPES)} "
-           "(DeepSpeed would fall back to log)")
+    _check(
+        warmup_type in WARMUP_TYPES,
+        f"scheduler {owner}: unknown warmup_type {warmup_type!r}; use one of {', '.join(WARMUP_TYPES)} "
+        "(DeepSpeed would fall back to log)",
+    )
     return warmup_type
 
 
@@ -114,8 +123,10 @@ class Schedule:
     their `__init__` with `_apply()`, which writes the value at t = last_batch_iteration."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1) -> None:
-        _check(_is_int(last_batch_iteration) and last_batch_iteration >= -1,
-               f"scheduler {self.kind}: last_batch_iteration must be an integer >= -1, got {last_batch_iteration!r}")
+        _check(
+            _is_int(last_batch_iteration) and last_batch_iteration >= -1,
+            f"scheduler {self.kind}: last_batch_iteration must be an integer >= -1, got {last_batch_iteration!r}",
+        )
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
         # Saved in the state so a resume does not depend on whether the optimizer's lr was
@@ -158,8 +169,12 @@ class Schedule:
         self.step(steps_taken - 1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "settings": dict(self.settings),
-                "last_batch_iteration": self.last_batch_iteration, "base_lrs": [float(lr) for lr in self.base_lrs]}
+        return {
+            "kind": self.kind,
+            "settings": dict(self.settings),
+            "last_batch_iteration": self.last_batch_iteration,
+            "base_lrs": [float(lr) for lr in self.base_lrs],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_batch_iteration = int(state["last_batch_iteration"])
@@ -171,16 +186,24 @@ class Schedule:
 class LRRangeTest(Schedule):
     """lr = min_lr * (1 + step_rate * I), I = (t+1)/step_size, floored when staircase."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
-                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
-                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         name = type(self).__name__
         self.min_lrs = _per_group(name, "lr_range_test_min_lr", lr_range_test_min_lr, len(optimizer.param_groups))
         _check(all(lr > 0 for lr in self.min_lrs), f"scheduler {name}: lr_range_test_min_lr must be > 0")
         self.step_size = _positive_int(name, "lr_range_test_step_size", lr_range_test_step_size)
-        _check(_is_real(lr_range_test_step_rate) and lr_range_test_step_rate > 0,
-               f"scheduler {name}: lr_range_test_step_rate must be > 0, got {lr_range_test_step_rate!r}")
+        _check(
+            _is_real(lr_range_test_step_rate) and lr_range_test_step_rate > 0,
+            f"scheduler {name}: lr_range_test_step_rate must be > 0, got {lr_range_test_step_rate!r}",
+        )
         self.step_rate = float(lr_range_test_step_rate)
         self.staircase = _flag(name, "lr_range_test_staircase", lr_range_test_staircase)
         self._apply()
@@ -196,13 +219,23 @@ class OneCycle(Schedule):
     """One triangular cycle of lr (min -> max -> min) with beta1 moving inversely, then decay.
     The lr and momentum bounds take one value or one per param group, as in DeepSpeed."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float | Sequence[float],
-                 cycle_max_lr: float | Sequence[float], decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
-                 cycle_second_step_size: int | None = None, cycle_first_stair_count: int = 0,
-                 cycle_second_stair_count: int | None = None, decay_step_size: int = 0,
-                 cycle_momentum: bool = True, cycle_min_mom: float | Sequence[float] = 0.8,
-                 cycle_max_mom: float | Sequence[float] = 0.9, decay_mom_rate: float = 0.0,
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         name, groups = type(self).__name__, len(optimizer.param_groups)
         self.min_lrs = _per_group(name, "cycle_min_lr", cycle_min_lr, groups)
@@ -211,23 +244,30 @@ class OneCycle(Schedule):
         self.first = _positive_int(name, "cycle_first_step_size", cycle_first_step_size)
         # None means as long as the first half; 0 (as in DeepSpeed) means the lr only rises and
         # drops back to cycle_min_lr at the cycle's last step.
-        self.second = self.first if cycle_second_step_size is None else _count(
-            name, "cycle_second_step_size", cycle_second_step_size)
+        self.second = (
+            self.first
+            if cycle_second_step_size is None
+            else _count(name, "cycle_second_step_size", cycle_second_step_size)
+        )
         second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
-        self.stairs = (_count(name, "cycle_first_stair_count", cycle_first_stair_count),
-                       _count(name, "cycle_second_stair_count", second_stairs))
+        self.stairs = (
+            _count(name, "cycle_first_stair_count", cycle_first_stair_count),
+            _count(name, "cycle_second_stair_count", second_stairs),
+        )
         self.decay_step_size = _count(name, "decay_step_size", decay_step_size)
         self.decay_lr_rate = _non_negative(name, "decay_lr_rate", decay_lr_rate)
         self.decay_mom_rate = _non_negative(name, "decay_mom_rate", decay_mom_rate)
         # decay_step_size 0 means "no decay" in DeepSpeed, which silently ignores any decay rate.
-        _check(decay_step_size > 0 or (decay_lr_rate == 0 and decay_mom_rate == 0),
-               f"scheduler {name}: decay_lr_rate/decay_mom_rate need decay_step_size > 0 (0 disables decay)")
+        _check(
+            decay_step_size > 0 or (decay_lr_rate == 0 and decay_mom_rate == 0),
+            f"scheduler {name}: decay_lr_rate/decay_mom_rate need decay_step_size > 0 (0 disables decay)",
+        )
         self.min_moms = _per_group(name, "cycle_min_mom", cycle_min_mom, groups)
         self.max_moms = _per_group(name, "cycle_max_mom", cycle_max_mom, groups)
         _bounds(name, "cycle_min_mom", "cycle_max_mom", self.min_moms, self.max_moms)
         self.cycle_momentum = _flag(name, "cycle_momentum", cycle_momentum) and "betas" in optimizer.defaults
         if cycle_momentum and not self.cycle_momentum:
-            warnings.warn(f"OneCycle: {type(optimizer).__name__} has no betas, so momentum is not cycled")
+            warnings.warn(f"OneCycle: {type(optimizer).__name__} has no betas, so momentum is not cycled", stacklevel=2)
         self._apply()
 
     @property
@@ -282,9 +322,15 @@ class OneCycle(Schedule):
 class WarmupLR(Schedule):
     """min -> max over the warmup (log or linear), then constant; max defaults to each group's lr."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         name, groups = type(self).__name__, len(optimizer.param_groups)
         self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, groups)
@@ -317,9 +363,11 @@ class WarmupLR(Schedule):
 
 def _total_steps(owner: str, total_num_steps: Any, warmup_num_steps: int) -> int:
     _positive_int(owner, "total_num_steps", total_num_steps)
-    _check(total_num_steps >= warmup_num_steps,
-           f"scheduler {owner}: total_num_steps ({total_num_steps}) is less than warmup_num_steps "
-           f"({warmup_num_steps}); raise total_num_steps or shorten the warmup")
+    _check(
+        total_num_steps >= warmup_num_steps,
+        f"scheduler {owner}: total_num_steps ({total_num_steps}) is less than warmup_num_steps "
+        f"({warmup_num_steps}); raise total_num_steps or shorten the warmup",
+    )
     return total_num_steps
 
 
@@ -327,9 +375,16 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps. As in DeepSpeed, warmup_max_lr
     defaults to 0.001, not to the group's lr; an explicit null inherits each group's lr."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
-                 warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] | None = 0.001,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] | None = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         name = type(self).__name__
         warmup = _positive_int(name, "warmup_num_steps", warmup_num_steps)
         self.total_num_steps = _total_steps(name, total_num_steps, warmup)  # set before WarmupLR applies t = -1
@@ -343,16 +398,24 @@ class WarmupDecayLR(WarmupLR):
 class WarmupCosineLR(Schedule):
     """A ratio of each group's base lr: warmup_min_ratio -> 1, then cosine to cos_min_ratio."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 1e-4, warmup_type: str = "log",
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 1e-4,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         name = type(self).__name__
         warmup = _positive_int(name, "warmup_num_steps", warmup_num_steps)
         self.total_num_steps = _total_steps(name, total_num_steps, warmup)
         for key, ratio in (("warmup_min_ratio", warmup_min_ratio), ("cos_min_ratio", cos_min_ratio)):
-            _check(_is_real(ratio) and 0 <= ratio <= 1,
-                   f"scheduler {name}: {key} must be between 0 and 1, got {ratio!r}")
+            _check(
+                _is_real(ratio) and 0 <= ratio <= 1, f"scheduler {name}: {key} must be between 0 and 1, got {ratio!r}"
+            )
         self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
         self.warmup_num_steps = max(2, warmup)
         self.warmup_type = _warmup_type(name, warmup_type)

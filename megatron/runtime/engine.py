@@ -21,31 +21,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.parallel import ParallelGrid, all_reduce, is_parallel
-from megatron.runtime.gradient_kinds import SLICE, WHOLE, pipeline_shared
-from megatron.runtime.strategy import build_strategy
-from megatron.config.deepspeed_keys import no_effect_notes
-from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
-from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
-from megatron.runtime.lr_schedules import build_scheduler
-from megatron.runtime.schedule_resume import restore_schedule
-from megatron.runtime.monitor import EngineMonitor
-from megatron.runtime.optim.cpu_adam import CPUAdam
-from megatron.runtime.optim.lamb import Lamb
-from megatron.runtime.swap.swapped_adam import SwappedAdam
-from megatron.errors import ConfigError
 from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.tensors import (
-    ShardedReader, expert_ids, load_model_entries, load_rng_state, model_entries, optimizer_groups, save_tensors,
+    ShardedReader,
+    expert_ids,
+    load_model_entries,
+    load_rng_state,
+    model_entries,
+    optimizer_groups,
+    save_tensors,
     tensor_parallel_splits,
 )
 from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
+from megatron.config.deepspeed_keys import no_effect_notes
+from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
+from megatron.errors import ConfigError
+from megatron.parallel import ParallelGrid, all_reduce, is_parallel
+from megatron.runtime.gradient_kinds import SLICE, WHOLE, pipeline_shared
+from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
+from megatron.runtime.lr_schedules import build_scheduler
+from megatron.runtime.monitor import EngineMonitor
+from megatron.runtime.optim.cpu_adam import CPUAdam
+from megatron.runtime.optim.lamb import Lamb
+from megatron.runtime.schedule_resume import restore_schedule
+from megatron.runtime.strategy import build_strategy
+from megatron.runtime.swap.swapped_adam import SwappedAdam
 
 
 def build_optimizer(
-    model: nn.Module, config: RuntimeConfig, model_parameters: Iterable[Any] | None = None, rank: int = 0,
+    model: nn.Module,
+    config: RuntimeConfig,
+    model_parameters: Iterable[Any] | None = None,
+    rank: int = 0,
 ) -> torch.optim.Optimizer:
     """The config's optimizer over `model_parameters` as DeepSpeed builds it: groups of parameters
     kept as given, or a list of parameters as one group. Without them: the model's trainable
@@ -82,30 +91,38 @@ def build_optimizer(
             if next(model.parameters()).device.type != "cpu":
                 raise ConfigError(
                     f"offload_optimizer to {offload.device} is implemented for CPU training only so far; "
-                    "set offload_optimizer.device to \"none\" on an accelerator"
+                    'set offload_optimizer.device to "none" on an accelerator'
                 )
             adam = {**params, "adamw_mode": kind == "AdamW" or adam_w_mode}
             if offload.device == "cpu":
                 return CPUAdam(groups, **adam)
             return SwappedAdam(groups, offload, config.aio, config.zero_optimization.sub_group_size, rank, **adam)
         if not params.pop("bias_correction", True):
-            raise ConfigError("optimizer.params.bias_correction false is implemented by the offloaded CPU Adam and "
-                              "by Lamb only; drop it, or set zero_optimization.offload_optimizer")
+            raise ConfigError(
+                "optimizer.params.bias_correction false is implemented by the offloaded CPU Adam and "
+                "by Lamb only; drop it, or set zero_optimization.offload_optimizer"
+            )
         optimizer_class = torch.optim.AdamW if kind == "AdamW" or adam_w_mode else torch.optim.Adam
         return optimizer_class(groups, fused=True, **params)
     except (TypeError, NotImplementedError) as error:
-        raise ConfigError(f"bad optimizer.params for {kind}: {error}; use the parameter names of DeepSpeed's {kind}") from None
+        raise ConfigError(
+            f"bad optimizer.params for {kind}: {error}; use the parameter names of DeepSpeed's {kind}"
+        ) from None
 
 
 @dataclass(frozen=True)
 class NonFiniteStep:
     """An optimizer step whose loss or gradients held a NaN or an infinity, and on which ranks."""
+
     loss_ranks: list[int]
     grad_ranks: list[int]
 
     def describe(self) -> str:
-        parts = [f"the {what} is not finite on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
-                 for what, ranks in (("loss", self.loss_ranks), ("gradient norm", self.grad_ranks)) if ranks]
+        parts = [
+            f"the {what} is not finite on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+            for what, ranks in (("loss", self.loss_ranks), ("gradient norm", self.grad_ranks))
+            if ranks
+        ]
         return " and ".join(parts)
 
 
@@ -116,8 +133,10 @@ def build_loss_scaler(config: RuntimeConfig) -> DynamicLossScaler | StaticLossSc
     if fp16.loss_scale > 0:
         return StaticLossScaler(fp16.loss_scale)
     return DynamicLossScaler(
-        init_scale=2.0**fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-        hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
+        init_scale=2.0**fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
         min_scale=fp16.min_loss_scale,
     )
 
@@ -134,8 +153,12 @@ def _same_setting(a: Any, b: Any) -> bool:
 def ignored_settings(given: list[dict[str, Any]], loaded: list[dict[str, Any]], scheduled: set[str]) -> str:
     """The settings this run gave its optimizer that the checkpoint's replaced, for one log line
     ("" when none): "weight_decay 0.05 (checkpoint: 0.1)"."""
-    changes = [f"{key} {mine[key]} (checkpoint: {theirs[key]})" for mine, theirs in zip(given, loaded)
-               for key in sorted(set(mine) & set(theirs) - scheduled) if not _same_setting(mine[key], theirs[key])]
+    changes = [
+        f"{key} {mine[key]} (checkpoint: {theirs[key]})"
+        for mine, theirs in zip(given, loaded)
+        for key in sorted(set(mine) & set(theirs) - scheduled)
+        if not _same_setting(mine[key], theirs[key])
+    ]
     return ", ".join(dict.fromkeys(changes))  # once per setting that differs alike in several groups
 
 
@@ -168,7 +191,7 @@ class Engine:
         if param_offload != "none" and parallel.device.type != "cpu":
             raise ConfigError(
                 f"offload_param to {param_offload} is implemented for CPU training only so far; "
-                "set offload_param.device to \"none\" on an accelerator"
+                'set offload_param.device to "none" on an accelerator'
             )
         offload = config.zero_optimization.offload_optimizer.device
         if offload != "none" and not isinstance(self.optimizer, CPUAdam):
@@ -200,8 +223,10 @@ class Engine:
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=parallel.device)  # no sync per micro-batch
         self.monitor = EngineMonitor(config, parallel.is_first_rank, parallel.device)
         if config.activation_checkpointing.cpu_checkpointing and parallel.device.type != "cpu":
-            raise ConfigError("activation_checkpointing.cpu_checkpointing (checkpointed activations moved to host "
-                              "memory) is not built for accelerators; set it to false")
+            raise ConfigError(
+                "activation_checkpointing.cpu_checkpointing (checkpointed activations moved to host "
+                "memory) is not built for accelerators; set it to false"
+            )
         if parallel.is_first_rank:
             for line in no_effect_notes(config):
                 print(line, flush=True)
@@ -245,8 +270,9 @@ class Engine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor, activation: torch.Tensor | None = None,
-                 activation_grad: torch.Tensor | None = None) -> None:
+    def backward(
+        self, loss: torch.Tensor, activation: torch.Tensor | None = None, activation_grad: torch.Tensor | None = None
+    ) -> None:
         """Backward from `loss`; on a pipeline stage before the last, also from the `activation` it
         sent on, with the gradient the next stage sent back (already scaled as the loss is)."""
         self.monitor.record_loss(loss)
@@ -277,6 +303,7 @@ class Engine:
         is non-finite. Each expert lives on one rank of the expert-parallel group; dense gradients
         are replicated, or under ZeRO split into disjoint shards (over data-parallel ranks, experts
         over expert-data-parallel ranks)."""
+
         def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             if not grads:
                 return torch.zeros((), device=self.parallel.device)
@@ -336,8 +363,12 @@ class Engine:
         if self.last_step_skipped:
             self.skipped_steps += 1
             self.consecutive_skipped_steps += 1
-            self.monitor.skipped(self.global_steps + 1, f"gradient overflow at loss scale {self.loss_scaler.scale:g}"
-                                 if self.config.fp16.enabled else self.last_nonfinite.describe())
+            self.monitor.skipped(
+                self.global_steps + 1,
+                f"gradient overflow at loss scale {self.loss_scaler.scale:g}"
+                if self.config.fp16.enabled
+                else self.last_nonfinite.describe(),
+            )
         else:
             coeff = 1.0 / divisor
             clip = self.config.gradient_clipping
@@ -366,23 +397,43 @@ class Engine:
         grid = self.parallel
         # each pipeline stage's first rank writes the stage's dense tensors (whole, gathered over tp)
         owns = grid.checkpoint_owners()
-        splits = {name: split for piece in grid.gather_from_all(tensor_parallel_splits(self.module))
-                  for name, split in piece.items()} if grid.pp_size > 1 else tensor_parallel_splits(self.module)
+        splits = (
+            {
+                name: split
+                for piece in grid.gather_from_all(tensor_parallel_splits(self.module))
+                for name, split in piece.items()
+            }
+            if grid.pp_size > 1
+            else tensor_parallel_splits(self.module)
+        )
         with self.whole_parameters():
             model = model_entries(self.module, **owns)
         optim, optim_groups = self.strategy.optimizer_state(**owns), optimizer_groups(self.optimizer)
-        meta = {
-            "global_steps": self.global_steps, "micro_steps": self.micro_steps,
-            "skipped_steps": self.skipped_steps, "optimizer_groups": optim_groups,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "loss_scaler": self.loss_scaler.state_dict(), "client_state": client_state or {},
-            "dp_size": grid.dp_size, "ep_size": grid.ep_size, "tp_size": grid.tp_size,
-            "tensor_parallel_splits": splits,
-        } if grid.is_first_rank else None
+        meta = (
+            {
+                "global_steps": self.global_steps,
+                "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps,
+                "optimizer_groups": optim_groups,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "loss_scaler": self.loss_scaler.state_dict(),
+                "client_state": client_state or {},
+                "dp_size": grid.dp_size,
+                "ep_size": grid.ep_size,
+                "tp_size": grid.tp_size,
+                "tensor_parallel_splits": splits,
+            }
+            if grid.is_first_rank
+            else None
+        )
         return EngineState(model, optim, meta, grid, self.strategy.stage, self.precision)
 
     def save_checkpoint(
-        self, save_dir: str | Path, tag: str, client_state: dict[str, Any] | None = None, run: RunRecord | None = None,
+        self,
+        save_dir: str | Path,
+        tag: str,
+        client_state: dict[str, Any] | None = None,
+        run: RunRecord | None = None,
     ) -> Path:
         """Write `save_dir/tag/` with its manifest, atomically (megatron/checkpoint/save.py): a crash
         mid-save leaves any earlier checkpoint untouched."""
@@ -394,13 +445,18 @@ class Engine:
         the first rank. Under ZeRO-3 only with stage3_gather_16bit_weights_on_model_save, as in
         DeepSpeed: without it nothing is written and the answer is False."""
         if not save_filename.endswith(".safetensors"):
-            raise ConfigError(f"save_16bit_model writes safetensors (nothing here is pickled); name the file "
-                              f"{Path(save_filename).stem}.safetensors instead of {save_filename}")
+            raise ConfigError(
+                f"save_16bit_model writes safetensors (nothing here is pickled); name the file "
+                f"{Path(save_filename).stem}.safetensors instead of {save_filename}"
+            )
         grid, path = self.parallel, Path(save_dir) / save_filename
         if self.strategy.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             if grid.is_first_rank:
-                print(f" > did not save {path}: ZeRO-3 holds partitions and "
-                      "zero_optimization.stage3_gather_16bit_weights_on_model_save is false", flush=True)
+                print(
+                    f" > did not save {path}: ZeRO-3 holds partitions and "
+                    "zero_optimization.stage3_gather_16bit_weights_on_model_save is false",
+                    flush=True,
+                )
             return False
         dtype = self.autocast_dtype or torch.float32
         with self.whole_parameters():
@@ -418,7 +474,12 @@ class Engine:
         return True
 
     def load_checkpoint(
-        self, load_dir: str | Path, tag: str, load_optimizer: bool = True, load_rng: bool = True, verify: bool = True,
+        self,
+        load_dir: str | Path,
+        tag: str,
+        load_optimizer: bool = True,
+        load_rng: bool = True,
+        verify: bool = True,
     ) -> dict[str, Any]:
         """Restore model (and optimizer, schedule, loss scale, RNG) after checking every file
         against the manifest (`verify=False` when the caller has just done so); returns the client state."""
@@ -447,8 +508,10 @@ class Engine:
         if load_optimizer and meta.get("weights_only"):  # e.g. imported from Hugging Face
             load_optimizer = False
             if self.parallel.is_first_rank:
-                print(f" > {folder} holds weights only: the optimizer, loss scale and LR schedule start afresh",
-                      flush=True)
+                print(
+                    f" > {folder} holds weights only: the optimizer, loss scale and LR schedule start afresh",
+                    flush=True,
+                )
         if load_optimizer:
             reader = ShardedReader(folder, OPTIMIZER, meta.get("tensor_parallel_splits"))
             given = optimizer_groups(self.optimizer)
@@ -461,9 +524,12 @@ class Engine:
                     print(changed, flush=True)
             ignored = ignored_settings(given, optimizer_groups(self.optimizer), self._scheduled_keys())
             if ignored and self.parallel.is_first_rank:
-                print(f" > resuming: this run's optimizer {ignored} is ignored: the checkpoint's optimizer state "
-                      "keeps its own, as in DeepSpeed and Megatron; load with --no-load-optim (load_optimizer=False) "
-                      "to start the optimizer afresh with the new settings", flush=True)
+                print(
+                    f" > resuming: this run's optimizer {ignored} is ignored: the checkpoint's optimizer state "
+                    "keeps its own, as in DeepSpeed and Megatron; load with --no-load-optim (load_optimizer=False) "
+                    "to start the optimizer afresh with the new settings",
+                    flush=True,
+                )
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
             # count micro-batches in this run's accumulation: another data-parallel size changes it
             self.global_steps = meta["global_steps"]
@@ -473,8 +539,11 @@ class Engine:
         if load_rng and rng_path.is_file():
             load_rng_state(rng_path)
         elif load_rng and self.parallel.is_first_rank:
-            print(f" > {folder} has no RNG state for rank {self.parallel.rank} (saved with another world size): "
-                  "random streams start afresh", flush=True)
+            print(
+                f" > {folder} has no RNG state for rank {self.parallel.rank} (saved with another world size): "
+                "random streams start afresh",
+                flush=True,
+            )
 
 
 def initialize(

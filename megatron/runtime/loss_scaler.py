@@ -71,8 +71,10 @@ class DynamicLossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "scale": self.scale, "hysteresis_left": self.hysteresis_left,
-            "iteration": self.iteration, "last_overflow_iteration": self.last_overflow_iteration,
+            "scale": self.scale,
+            "hysteresis_left": self.hysteresis_left,
+            "iteration": self.iteration,
+            "last_overflow_iteration": self.last_overflow_iteration,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -63,8 +63,12 @@ def sweep(step: Step, steps: int, report: Report) -> Sweep:
         report(iteration, points[-1])
         lowest = min(lowest, smoothed)
         if smoothed > DIVERGENCE_FACTOR * lowest:
-            return Sweep(points, lr, f"the smoothed loss {smoothed:.4g} exceeded {DIVERGENCE_FACTOR:g}x its minimum "
-                                     f"{lowest:.4g} at iteration {iteration}, lr {lr:.3E}")
+            return Sweep(
+                points,
+                lr,
+                f"the smoothed loss {smoothed:.4g} exceeded {DIVERGENCE_FACTOR:g}x its minimum "
+                f"{lowest:.4g} at iteration {iteration}, lr {lr:.3E}",
+            )
     return Sweep(points, None, None)
 
 
@@ -74,7 +78,7 @@ def suggest(points: list[RangePoint]) -> Suggestion:
     points densely at high lr, where the slope between neighbours would measure noise."""
     lowest = min(range(len(points)), key=lambda i: points[i].smoothed_loss)
     # the last point per lr: a staircase holds each lr for several iterations
-    by_lr = {math.log10(p.lr): p.smoothed_loss for p in points[:lowest + 1]}
+    by_lr = {math.log10(p.lr): p.smoothed_loss for p in points[: lowest + 1]}
     log_lrs, losses = np.array(list(by_lr)), np.array(list(by_lr.values()))
     if len(log_lrs) < 2:
         return Suggestion(None, points[lowest].lr)

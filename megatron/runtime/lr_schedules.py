@@ -88,8 +88,13 @@ class AnnealingLR:
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-                "decay_steps": self.decay_steps, "decay_style": self.decay_style}
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "warmup_steps": self.warmup_steps,
+            "decay_steps": self.decay_steps,
+            "decay_style": self.decay_style,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "settings": self.settings, "num_steps": self.num_steps}
@@ -118,17 +123,24 @@ def scheduler_parameters(type_name: str, params: dict[str, Any]) -> dict[str, in
     """Check a config's `"scheduler"` names (type and parameters) without building it, so a typo
     stops the run before any work; returns the schedule's parameters."""
     if type_name not in SCHEDULES:
-        raise ConfigError(f"unknown scheduler type {type_name!r}{_nearest(type_name, list(SCHEDULES))}; "
-                          f"use one of {', '.join(SCHEDULES)}")
+        raise ConfigError(
+            f"unknown scheduler type {type_name!r}{_nearest(type_name, list(SCHEDULES))}; "
+            f"use one of {', '.join(SCHEDULES)}"
+        )
     signature = inspect.signature(SCHEDULES[type_name].__init__).parameters
     allowed = {name: parameter for name, parameter in signature.items() if name not in ("self", "optimizer")}
     unknown = [key for key in params if key not in allowed]
     if unknown:
         hints = "".join(_nearest(key, list(allowed)) for key in unknown)
-        raise ConfigError(f"scheduler {type_name} has no parameter {', '.join(map(repr, unknown))}{hints}; "
-                          f"allowed: {', '.join(allowed)}")
-    missing = [name for name, parameter in allowed.items()
-               if parameter.default is inspect.Parameter.empty and name not in params]
+        raise ConfigError(
+            f"scheduler {type_name} has no parameter {', '.join(map(repr, unknown))}{hints}; "
+            f"allowed: {', '.join(allowed)}"
+        )
+    missing = [
+        name
+        for name, parameter in allowed.items()
+        if parameter.default is inspect.Parameter.empty and name not in params
+    ]
     if missing:
         raise ConfigError(f"scheduler {type_name} needs {', '.join(missing)} in its params")
     return allowed
@@ -138,6 +150,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, type_name: str, params: di
     """Build the schedule a config's `"scheduler": {"type", "params"}` names; bad input is a ConfigError."""
     allowed = scheduler_parameters(type_name, params)
     schedule = SCHEDULES[type_name](optimizer, **params)
-    given = {**{name: parameter.default for name, parameter in allowed.items()}, **params}  # required ones are in params
+    given = {
+        **{name: parameter.default for name, parameter in allowed.items()},
+        **params,
+    }  # required ones are in params
     schedule.settings = {name: given[name] for name in allowed if name != "last_batch_iteration"}
     return schedule

@@ -24,6 +24,7 @@ BackwardStep = Callable[[object, torch.Tensor | None], torch.Tensor | None]
 @dataclass(frozen=True)
 class StageLinks:
     """A stage's neighbours (global ranks, None at the ends) and the shape of what passes between stages."""
+
     prev_rank: int | None
     next_rank: int | None
     shape: tuple[int, ...]
@@ -62,8 +63,9 @@ class StageLinks:
         return self._exchange(None, None, self.next_rank)
 
 
-def one_forward_one_backward(num_microbatches: int, stage: int, num_stages: int, links: StageLinks,
-                             forward: ForwardStep, backward: BackwardStep) -> None:
+def one_forward_one_backward(
+    num_microbatches: int, stage: int, num_stages: int, links: StageLinks, forward: ForwardStep, backward: BackwardStep
+) -> None:
     """Run every micro-batch's forward and backward on this stage in 1F1B order."""
     warmup = min(num_stages - stage - 1, num_microbatches)
     in_flight: deque[object] = deque()

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpoint.tensors import ShardedReader, expert_ids, load_optimizer_entries, optimizer_entries
-from megatron.runtime.gradient_kinds import gradient_kind
 from megatron.parallel import ParallelGrid, is_parallel
+from megatron.runtime.gradient_kinds import gradient_kind
 from megatron.runtime.swap.param_store import ShardStore
 from megatron.runtime.zero.layout import PartitionLayout
 
@@ -27,7 +27,9 @@ def sum_over(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None
     for same_dtype in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in same_dtype])
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)])
+        torch._foreach_copy_(
+            same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)]
+        )
 
 
 class Replicated:

@@ -21,8 +21,10 @@ class SettingChange:
 
 # AnnealingLR setting -> (what the resume line calls it, the flag that sets it)
 ANNEALING_NAMES = {
-    "warmup_steps": ("warmup length", "--lr-warmup"), "decay_steps": ("decay length", "--lr-decay"),
-    "decay_style": ("decay style", "--lr-decay-style"), "max_lr": ("peak LR", "--lr"),
+    "warmup_steps": ("warmup length", "--lr-warmup"),
+    "decay_steps": ("decay length", "--lr-decay"),
+    "decay_style": ("decay style", "--lr-decay-style"),
+    "max_lr": ("peak LR", "--lr"),
     "min_lr": ("minimum LR", "--min-lr"),
 }
 
@@ -56,8 +58,10 @@ def _changes(schedule: "AnnealingLR | Schedule", saved: dict[str, Any]) -> list[
     differ = [key for key in current if key in saved and not _same(saved[key], current[key])]
     if isinstance(schedule, AnnealingLR):
         return [_annealing_change(key, saved[key], current[key], schedule.increment) for key in differ]
-    return [SettingChange(key, _show(saved[key]), _show(current[key]), f"{json.dumps(key)}: {json.dumps(saved[key])}")
-            for key in differ]
+    return [
+        SettingChange(key, _show(saved[key]), _show(current[key]), f"{json.dumps(key)}: {json.dumps(saved[key])}")
+        for key in differ
+    ]
 
 
 def _describe(kind: str) -> str:
@@ -96,20 +100,25 @@ def restore_schedule(schedule: Any, state: dict[str, Any], steps_taken: int) -> 
     before, kind = _lr(schedule), _saved_kind(schedule, state)
     if kind != schedule.kind:
         schedule.resume_at(steps_taken)
-        return (f"resuming: the LR schedule changed kind from {_describe(kind)} in the checkpoint to "
-                f"{_describe(schedule.kind)}, which continues after the checkpoint's {steps_taken:,} optimizer "
-                f"steps; {_jump(before, _lr(schedule))}")
+        return (
+            f"resuming: the LR schedule changed kind from {_describe(kind)} in the checkpoint to "
+            f"{_describe(schedule.kind)}, which continues after the checkpoint's {steps_taken:,} optimizer "
+            f"steps; {_jump(before, _lr(schedule))}"
+        )
     schedule.load_state_dict(state)
     changes = _changes(schedule, state.get("settings", {}))
     if not changes:
         return None
     first, *rest = changes
     what = f"{first.name} changed from {first.old} to {first.new}" + "".join(
-        f" and its {change.name} from {change.old} to {change.new}" for change in rest)
+        f" and its {change.name} from {change.old} to {change.new}" for change in rest
+    )
     if isinstance(schedule, AnnealingLR):
         owner, source, keep = "the LR schedule", "flags", "pass " + " ".join(change.keep for change in changes)
     else:
         owner, source = f"the {schedule.kind} schedule", "config"
         keep = f"set {', '.join(change.keep for change in changes)} in the scheduler block"
-    return (f"resuming: {owner}'s {what} (checkpoint -> {source}); {_jump(before, _lr(schedule))}; "
-            f"{keep} to keep the checkpoint's")
+    return (
+        f"resuming: {owner}'s {what} (checkpoint -> {source}); {_jump(before, _lr(schedule))}; "
+        f"{keep} to keep the checkpoint's"
+    )

@@ -51,7 +51,8 @@ class TrainingStrategy(Protocol):
         expert) gradients that the optimizer will read and the step scales in place."""
 
     def gradient_kinds(self) -> tuple[list[str], list[str]]:
-        """For each (dense, expert) gradient `reduce_gradients` returns, its kind (megatron/runtime/gradient_kinds.py)."""
+        """For each (dense, expert) gradient `reduce_gradients` returns, its kind
+        (megatron/runtime/gradient_kinds.py)."""
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
         """Sum in place the squared norms of this rank's gradients over the data-parallel groups
@@ -77,11 +78,24 @@ class TrainingStrategy(Protocol):
 
 
 def build_strategy(
-    module: nn.Module, optimizer: torch.optim.Optimizer, config: RuntimeConfig, grid: ParallelGrid,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: RuntimeConfig,
+    grid: ParallelGrid,
 ) -> TrainingStrategy:
     """The strategy for the config's ZeRO stage. From here on, under ZeRO, the optimizer's groups
     hold this rank's shards instead of the model's parameters."""
     if config.zero_optimization.stage == 0:
         return Replicated(module, optimizer, grid)
-    return ZeroRuntime(module, optimizer, config.zero_optimization, grid.dp_group, grid.expert_dp_group,
-                       config.aio, grid.rank, grid.tp_rank, grid.expert_tp_rank, reduce_in_backward=not pipeline_shared(module))
+    return ZeroRuntime(
+        module,
+        optimizer,
+        config.zero_optimization,
+        grid.dp_group,
+        grid.expert_dp_group,
+        config.aio,
+        grid.rank,
+        grid.tp_rank,
+        grid.expert_tp_rank,
+        reduce_in_backward=not pipeline_shared(module),
+    )

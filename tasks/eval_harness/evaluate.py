@@ -22,7 +22,7 @@ if ROOT not in sys.path:  # run as a script: make `megatron` and `tasks` importa
     sys.path.insert(0, ROOT)
 
 from megatron.config.parser import FlagParser, non_negative_int, positive_float, positive_int  # noqa: E402
-from megatron.entry_point import run_entry_point
+from megatron.entry_point import run_entry_point  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.checkpoint_model import (  # noqa: E402
     LoadedModel,
@@ -35,8 +35,10 @@ from megatron.inference.local_tasks import last_word_accuracy, two_choice_accura
 from tasks.eval_harness.report import markdown_table  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-LOCAL_TASKS = {"lambada_local": (("text",), last_word_accuracy),
-               "piqa_local": (("goal", "sol1", "sol2", "label"), two_choice_accuracy)}
+LOCAL_TASKS = {
+    "lambada_local": (("text",), last_word_accuracy),
+    "piqa_local": (("goal", "sol1", "sol2", "label"), two_choice_accuracy),
+}
 INSTALL_HINT = "lm-eval is not installed; install it with `pip install .[eval]` (or `pip install lm-eval`)"
 
 
@@ -47,8 +49,12 @@ def build_parser() -> FlagParser:
     g.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. lambada_local,piqa_local")
     g.add_argument("--num_fewshot", "--num-fewshot", type=non_negative_int, default=0)
     g.add_argument("--batch_size", "--batch-size", type=positive_int, default=8)
-    g.add_argument("--limit", type=positive_float, default=None, help="at most N examples per task (below 1: a fraction)")
-    g.add_argument("--output_path", "--output-path", default="eval_results", help="folder for results.json and results.md")
+    g.add_argument(
+        "--limit", type=positive_float, default=None, help="at most N examples per task (below 1: a fraction)"
+    )
+    g.add_argument(
+        "--output_path", "--output-path", default="eval_results", help="folder for results.json and results.md"
+    )
     g.add_argument("--task-data-dir", default=str(HERE / "data"), help="folder of TASK.jsonl for the local tasks")
     return parser
 
@@ -71,11 +77,17 @@ def run_lm_eval(loaded: LoadedModel, tasks: list[str], args: argparse.Namespace)
 
     from tasks.eval_harness.lm_adapter import MegatronLM
 
-    specs = [t for t in tasks if t not in LOCAL_TASKS] + local_task_configs([t for t in tasks if t in LOCAL_TASKS],
-                                                                             args.task_data_dir)
+    specs = [t for t in tasks if t not in LOCAL_TASKS] + local_task_configs(
+        [t for t in tasks if t in LOCAL_TASKS], args.task_data_dir
+    )
     limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
-    results = simple_evaluate(model=MegatronLM(loaded, args.batch_size), tasks=specs, num_fewshot=args.num_fewshot,
-                              limit=limit, batch_size=args.batch_size)
+    results = simple_evaluate(
+        model=MegatronLM(loaded, args.batch_size),
+        tasks=specs,
+        num_fewshot=args.num_fewshot,
+        limit=limit,
+        batch_size=args.batch_size,
+    )
     return json.loads(json.dumps(results, default=handle_non_serializable))
 
 
@@ -88,8 +100,11 @@ def run_local(loaded: LoadedModel, tasks: list[str], args: argparse.Namespace) -
         fields, accuracy = LOCAL_TASKS[task]
         docs = read_jsonl(Path(args.task_data_dir) / f"{task}.jsonl", fields)
         if args.limit is not None:
-            docs = docs[:int(args.limit) if args.limit >= 1 else max(1, int(args.limit * len(docs)))]
-        results[task] = {"acc,none": accuracy(loaded.model, loaded.tokenizer, docs, args.batch_size), "samples": len(docs)}
+            docs = docs[: int(args.limit) if args.limit >= 1 else max(1, int(args.limit * len(docs)))]
+        results[task] = {
+            "acc,none": accuracy(loaded.model, loaded.tokenizer, docs, args.batch_size),
+            "samples": len(docs),
+        }
     return {"results": results, "config": {"scorer": "megatron.inference.local_tasks", "num_fewshot": 0}}
 
 

@@ -44,9 +44,15 @@ class MegatronLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             contexts = [self.tokenizer.tokenize(requests[i].args[0]) for i in indices]
-            texts = generate_until(self.model, self.tokenizer, contexts, until,
-                                   int(kwargs.get("max_gen_toks", self.max_gen_toks)), self.batch_size,
-                                   SamplingConfig(temperature=temperature))
+            texts = generate_until(
+                self.model,
+                self.tokenizer,
+                contexts,
+                until,
+                int(kwargs.get("max_gen_toks", self.max_gen_toks)),
+                self.batch_size,
+                SamplingConfig(temperature=temperature),
+            )
             for i, text in zip(indices, texts):
                 answers[i] = text
         return answers

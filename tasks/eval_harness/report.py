@@ -5,9 +5,15 @@ then any other task; accuracy-type scores in percent. Works on lm-eval's results
 from typing import Any
 
 PAPER_COLUMNS = {
-    "lambada_openai": "LAMBADA", "lambada_standard": "LAMBADA", "lambada_local": "LAMBADA (local)",
-    "piqa": "PIQA", "piqa_local": "PIQA (local)", "boolq": "BoolQ", "race": "RACE-h",
-    "triviaqa": "TriviaQA", "webqs": "WebQs",
+    "lambada_openai": "LAMBADA",
+    "lambada_standard": "LAMBADA",
+    "lambada_local": "LAMBADA (local)",
+    "piqa": "PIQA",
+    "piqa_local": "PIQA (local)",
+    "boolq": "BoolQ",
+    "race": "RACE-h",
+    "triviaqa": "TriviaQA",
+    "webqs": "WebQs",
 }
 METRICS = ("acc", "exact_match", "em", "acc_norm")  # the first one a task reports is shown
 

@@ -1,8 +1,13 @@
 """Convert checkpoints to and from Hugging Face transformers (--to hf / --from hf); see
 megatron/cli/convert_checkpoint.py for the flags."""
-import importlib.util, os, sys  # noqa: E401
+
+import importlib.util
+import os
+import sys
+
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from megatron.cli.convert_checkpoint import main  # noqa: E402
+from megatron.cli.convert_checkpoint import main
+
 if __name__ == "__main__":
     main()

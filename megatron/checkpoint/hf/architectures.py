@@ -20,6 +20,7 @@ from megatron.model import GPTConfig
 @dataclass(frozen=True)
 class Spec:
     """What one Hugging Face class can express."""
+
     name: str  # as people say it
     model_type: str  # config.json's model_type
     hf_class: str  # config.json's architectures
@@ -38,23 +39,56 @@ class Spec:
     renormalises_only: bool = False  # top-k gates always divided by their sum (Mixtral)
 
 
-GPT2 = Spec("GPT-2", "gpt2", "GPT2LMHeadModel", "gpt2", normalization="LayerNorm", swiglu=False, biases=(True,),
-            positions="learned_absolute", gqa=False)
-GPT_NEOX = Spec("GPT-NeoX", "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox", normalization="LayerNorm", swiglu=False,
-                biases=(True,), partial_rotary=True, gqa=False)
+GPT2 = Spec(
+    "GPT-2",
+    "gpt2",
+    "GPT2LMHeadModel",
+    "gpt2",
+    normalization="LayerNorm",
+    swiglu=False,
+    biases=(True,),
+    positions="learned_absolute",
+    gqa=False,
+)
+GPT_NEOX = Spec(
+    "GPT-NeoX",
+    "gpt_neox",
+    "GPTNeoXForCausalLM",
+    "gpt_neox",
+    normalization="LayerNorm",
+    swiglu=False,
+    biases=(True,),
+    partial_rotary=True,
+    gqa=False,
+)
 LLAMA = Spec("Llama", "llama", "LlamaForCausalLM", "llama", biases=(False, True))
 QWEN3 = Spec("Qwen3", "qwen3", "Qwen3ForCausalLM", "llama", qk_norm=(True,))
 MIXTRAL = Spec("Mixtral", "mixtral", "MixtralForCausalLM", "llama", moe=True, renormalises_only=True)
-QWEN3_MOE = Spec("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", "llama", qk_norm=(True,), moe=True, dense_layers="any")
+QWEN3_MOE = Spec(
+    "Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", "llama", qk_norm=(True,), moe=True, dense_layers="any"
+)
 QWEN2_MOE = Spec("Qwen2-MoE", "qwen2_moe", "Qwen2MoeForCausalLM", "llama", moe=True, dense_layers="any", shared="gated")
-GLM4_MOE = Spec("GLM-4-MoE", "glm4_moe", "Glm4MoeForCausalLM", "llama", partial_rotary=True, qk_norm=(False, True),
-                moe=True, dense_layers="first", shared="ungated", score="sigmoid")
+GLM4_MOE = Spec(
+    "GLM-4-MoE",
+    "glm4_moe",
+    "Glm4MoeForCausalLM",
+    "llama",
+    partial_rotary=True,
+    qk_norm=(False, True),
+    moe=True,
+    dense_layers="first",
+    shared="ungated",
+    score="sigmoid",
+)
 DENSE_SPECS = (GPT2, GPT_NEOX, LLAMA, QWEN3)
 MOE_SPECS = (MIXTRAL, QWEN3_MOE, QWEN2_MOE, GLM4_MOE)
 BY_MODEL_TYPE = {spec.model_type: spec for spec in DENSE_SPECS + MOE_SPECS}
 
-_POSITIONS = {"learned_absolute": "learned absolute position embeddings", "rope": "rotary embeddings",
-              "none": "lack of position embeddings"}
+_POSITIONS = {
+    "learned_absolute": "learned absolute position embeddings",
+    "rope": "rotary embeddings",
+    "none": "lack of position embeddings",
+}
 
 
 def _attention_mismatches(spec: Spec, c: GPTConfig) -> list[str]:
@@ -68,8 +102,11 @@ def _attention_mismatches(spec: Spec, c: GPTConfig) -> list[str]:
     if not spec.gqa and c.head_dim * c.num_attention_heads != c.hidden_size:
         found.append(f"a head dim of its own, --kv-channels ({spec.name}'s is hidden size / heads)")
     if c.qk_layernorm not in spec.qk_norm:
-        found.append(f"query/key norms ({spec.name} has none)" if c.qk_layernorm else
-                     f"attention without query/key norms ({spec.name} always has them)")
+        found.append(
+            f"query/key norms ({spec.name} has none)"
+            if c.qk_layernorm
+            else f"attention without query/key norms ({spec.name} always has them)"
+        )
     return found
 
 
@@ -80,8 +117,11 @@ def _block_mismatches(spec: Spec, c: GPTConfig) -> list[str]:
     if c.swiglu != spec.swiglu:
         found.append(f"SwiGLU MLPs ({spec.name}'s are GELU)" if c.swiglu else f"GELU MLPs ({spec.name}'s are SwiGLU)")
     if c.add_bias_linear not in spec.biases:
-        found.append(f"biases in its linear layers ({spec.name} has none)" if c.add_bias_linear else
-                     f"linear layers without biases ({spec.name}'s have them)")
+        found.append(
+            f"biases in its linear layers ({spec.name} has none)"
+            if c.add_bias_linear
+            else f"linear layers without biases ({spec.name}'s have them)"
+        )
     return found + _attention_mismatches(spec, c)
 
 
@@ -98,13 +138,16 @@ def _layout_mismatches(spec: Spec, c: GPTConfig) -> list[str]:
     if spec.shared == "none" and shared is not None:
         found.append(f"shared experts ({spec.name} has none)")
     if spec.shared == "gated" and not gated:
-        found.append(f"{'ungated shared experts' if shared else 'no shared experts'} ({spec.name} always has "
-                     "sigmoid-gated shared experts)")
+        found.append(
+            f"{'ungated shared experts' if shared else 'no shared experts'} ({spec.name} always has "
+            "sigmoid-gated shared experts)"
+        )
     if spec.shared == "ungated" and gated:
         found.append(f"a sigmoid gate on the shared experts ({spec.name} has none)")
     if spec.shared == "ungated" and shared is not None and shared % c.moe_ffn_hidden_size:
-        found.append(f"shared experts {shared} wide ({spec.name}'s are a multiple of the expert width "
-                     f"{c.moe_ffn_hidden_size})")
+        found.append(
+            f"shared experts {shared} wide ({spec.name}'s are a multiple of the expert width {c.moe_ffn_hidden_size})"
+        )
     return found
 
 
@@ -130,11 +173,15 @@ def mismatches(spec: Spec, c: GPTConfig) -> list[str]:
 def _refuse_outright(c: GPTConfig) -> str | None:
     """Features that no class has at all, named on their own."""
     if c.mlp_type == "residual":
-        return ("PR-MoE's residual MLP mixed into the experts by learned per-token coefficients (--mlp-type residual) "
-                "has no Hugging Face equivalent (shared experts, --moe-shared-expert-intermediate-size, have one)")
+        return (
+            "PR-MoE's residual MLP mixed into the experts by learned per-token coefficients (--mlp-type residual) "
+            "has no Hugging Face equivalent (shared experts, --moe-shared-expert-intermediate-size, have one)"
+        )
     if len({count for count in c.experts_per_layer if count > 1}) > 1:
-        return (f"MoE layers with different expert counts {c.experts_per_layer} (a pyramid) have no Hugging Face "
-                "equivalent (its MoE classes give every MoE layer the same experts)")
+        return (
+            f"MoE layers with different expert counts {c.experts_per_layer} (a pyramid) have no Hugging Face "
+            "equivalent (its MoE classes give every MoE layer the same experts)"
+        )
     return None
 
 
@@ -160,6 +207,7 @@ def choose_spec(c: GPTConfig, source: str) -> Spec:
 
 # ---- config.json ---------------------------------------------------------------------------------
 
+
 def _rope(c: GPTConfig, partial: bool) -> dict[str, Any]:
     """Rope as transformers 5 writes it; transformers 4 reads rope_theta (GPT-NeoX: rotary_emb_base)."""
     parameters = {"rope_type": "default", "rope_theta": c.rotary_base}
@@ -170,12 +218,21 @@ def _rope(c: GPTConfig, partial: bool) -> dict[str, Any]:
 
 def _llama_like(c: GPTConfig, spec: Spec) -> dict[str, Any]:
     return {
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size,
-        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": c.max_position_embeddings, "initializer_range": c.init_method_std,
-        "rms_norm_eps": c.norm_epsilon, "tie_word_embeddings": not c.untie_embeddings_and_output_weights,
-        "attention_dropout": c.attention_dropout, **_rope(c, spec.partial_rotary), "rope_theta": c.rotary_base,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.ffn_hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.init_method_std,
+        "rms_norm_eps": c.norm_epsilon,
+        "tie_word_embeddings": not c.untie_embeddings_and_output_weights,
+        "attention_dropout": c.attention_dropout,
+        **_rope(c, spec.partial_rotary),
+        "rope_theta": c.rotary_base,
     }
 
 
@@ -183,13 +240,19 @@ def _dense_layers(c: GPTConfig) -> dict[str, Any]:
     """Qwen's layer layout: layer i (from 0) is MoE when (i + 1) % decoder_sparse_step == 0 and i is
     not in mlp_only_layers, which is ours with --expert-interval and per-layer counts of 1."""
     candidates = [i for i in range(c.num_layers) if (i + 1) % c.expert_interval == 0]
-    return {"decoder_sparse_step": c.expert_interval,
-            "mlp_only_layers": [i for i in candidates if c.experts_per_layer[i] == 1]}
+    return {
+        "decoder_sparse_step": c.expert_interval,
+        "mlp_only_layers": [i for i in candidates if c.experts_per_layer[i] == 1],
+    }
 
 
 def _moe_keys(c: GPTConfig, routing: Routing) -> dict[str, Any]:
-    return {"num_experts_per_tok": routing.topk, "moe_intermediate_size": c.moe_ffn_hidden_size,
-            "norm_topk_prob": routing.normalized, "output_router_logits": False}
+    return {
+        "num_experts_per_tok": routing.topk,
+        "moe_intermediate_size": c.moe_ffn_hidden_size,
+        "norm_topk_prob": routing.normalized,
+        "output_router_logits": False,
+    }
 
 
 def _experts(c: GPTConfig) -> int:
@@ -201,51 +264,107 @@ def hf_config(spec: Spec, c: GPTConfig, tokens: dict[str, int | None]) -> dict[s
     bias, tied, routing = c.add_bias_linear, not c.untie_embeddings_and_output_weights, routing_of(c.moe)
     if spec is GPT2:
         inner = None if c.ffn_hidden_size == 4 * c.hidden_size else c.ffn_hidden_size  # as GPT-2's configs say it
-        keys = {"vocab_size": c.vocab_size, "n_positions": c.max_position_embeddings, "n_embd": c.hidden_size,
-                "n_layer": c.num_layers, "n_head": c.num_attention_heads, "n_inner": inner,
-                "activation_function": "gelu", "resid_pdrop": c.hidden_dropout, "embd_pdrop": c.hidden_dropout,
-                "attn_pdrop": c.attention_dropout, "layer_norm_epsilon": c.norm_epsilon,
-                "initializer_range": c.init_method_std, "scale_attn_weights": True,
-                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": tied}
+        keys = {
+            "vocab_size": c.vocab_size,
+            "n_positions": c.max_position_embeddings,
+            "n_embd": c.hidden_size,
+            "n_layer": c.num_layers,
+            "n_head": c.num_attention_heads,
+            "n_inner": inner,
+            "activation_function": "gelu",
+            "resid_pdrop": c.hidden_dropout,
+            "embd_pdrop": c.hidden_dropout,
+            "attn_pdrop": c.attention_dropout,
+            "layer_norm_epsilon": c.norm_epsilon,
+            "initializer_range": c.init_method_std,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": tied,
+        }
     elif spec is GPT_NEOX:
-        keys = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
-                "num_attention_heads": c.num_attention_heads, "intermediate_size": c.ffn_hidden_size,
-                "hidden_act": "gelu", "hidden_dropout": c.hidden_dropout, "attention_dropout": c.attention_dropout,
-                "max_position_embeddings": c.max_position_embeddings, "initializer_range": c.init_method_std,
-                "layer_norm_eps": c.norm_epsilon, "use_parallel_residual": False, "attention_bias": True,
-                "tie_word_embeddings": tied, **_rope(c, partial=True), "rotary_pct": c.rotary_percent,
-                "rotary_emb_base": c.rotary_base}
+        keys = {
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "intermediate_size": c.ffn_hidden_size,
+            "hidden_act": "gelu",
+            "hidden_dropout": c.hidden_dropout,
+            "attention_dropout": c.attention_dropout,
+            "max_position_embeddings": c.max_position_embeddings,
+            "initializer_range": c.init_method_std,
+            "layer_norm_eps": c.norm_epsilon,
+            "use_parallel_residual": False,
+            "attention_bias": True,
+            "tie_word_embeddings": tied,
+            **_rope(c, partial=True),
+            "rotary_pct": c.rotary_percent,
+            "rotary_emb_base": c.rotary_base,
+        }
     elif spec is LLAMA:
         keys = {**_llama_like(c, spec), "attention_bias": bias, "mlp_bias": bias, "pretraining_tp": 1}
     elif spec is QWEN3:
         keys = {**_llama_like(c, spec), "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
     elif spec is MIXTRAL:
-        keys = {**_llama_like(c, spec), "intermediate_size": c.moe_ffn_hidden_size, "num_local_experts": _experts(c),
-                "num_experts_per_tok": routing.topk, "sliding_window": None, "router_jitter_noise": 0.0,
-                "router_aux_loss_coef": c.moe.aux_loss_coeff, "output_router_logits": False}
+        keys = {
+            **_llama_like(c, spec),
+            "intermediate_size": c.moe_ffn_hidden_size,
+            "num_local_experts": _experts(c),
+            "num_experts_per_tok": routing.topk,
+            "sliding_window": None,
+            "router_jitter_noise": 0.0,
+            "router_aux_loss_coef": c.moe.aux_loss_coeff,
+            "output_router_logits": False,
+        }
     elif spec is QWEN3_MOE:
-        keys = {**_llama_like(c, spec), **_moe_keys(c, routing), **_dense_layers(c), "num_experts": _experts(c),
-                "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-                "router_aux_loss_coef": c.moe.aux_loss_coeff}
+        keys = {
+            **_llama_like(c, spec),
+            **_moe_keys(c, routing),
+            **_dense_layers(c),
+            "num_experts": _experts(c),
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "router_aux_loss_coef": c.moe.aux_loss_coeff,
+        }
     elif spec is QWEN2_MOE:
-        keys = {**_llama_like(c, spec), **_moe_keys(c, routing), **_dense_layers(c), "num_experts": _experts(c),
-                "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size, "qkv_bias": False,
-                "use_sliding_window": False, "router_aux_loss_coef": c.moe.aux_loss_coeff}
+        keys = {
+            **_llama_like(c, spec),
+            **_moe_keys(c, routing),
+            **_dense_layers(c),
+            "num_experts": _experts(c),
+            "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
+            "qkv_bias": False,
+            "use_sliding_window": False,
+            "router_aux_loss_coef": c.moe.aux_loss_coeff,
+        }
     else:
-        keys = {**_llama_like(c, spec), **_moe_keys(c, routing), "n_routed_experts": _experts(c),
-                "n_shared_experts": (c.moe_shared_expert_intermediate_size or 0) // c.moe_ffn_hidden_size,
-                "first_k_dense_replace": [count > 1 for count in c.experts_per_layer].index(True),
-                "n_group": routing.num_groups, "topk_group": routing.group_topk,
-                "routed_scaling_factor": routing.scaling, "use_qk_norm": c.qk_layernorm, "attention_bias": False,
-                "partial_rotary_factor": c.rotary_percent, "num_nextn_predict_layers": 0}
+        keys = {
+            **_llama_like(c, spec),
+            **_moe_keys(c, routing),
+            "n_routed_experts": _experts(c),
+            "n_shared_experts": (c.moe_shared_expert_intermediate_size or 0) // c.moe_ffn_hidden_size,
+            "first_k_dense_replace": [count > 1 for count in c.experts_per_layer].index(True),
+            "n_group": routing.num_groups,
+            "topk_group": routing.group_topk,
+            "routed_scaling_factor": routing.scaling,
+            "use_qk_norm": c.qk_layernorm,
+            "attention_bias": False,
+            "partial_rotary_factor": c.rotary_percent,
+            "num_nextn_predict_layers": 0,
+        }
     return {"architectures": [spec.hf_class], "model_type": spec.model_type, **keys, **tokens, "use_cache": True}
 
 
 # ---- importing: a Hugging Face config -> our flags -----------------------------------------------
 
+
 def _refuse(hf_dir: str, spec: Spec, what: str) -> CheckpointError:
-    return CheckpointError(f"{hf_dir} ({spec.name}) was not imported: this toolkit has no equivalent of its {what}, "
-                           "so the model would not compute the same; nothing was written")
+    return CheckpointError(
+        f"{hf_dir} ({spec.name}) was not imported: this toolkit has no equivalent of its {what}, "
+        "so the model would not compute the same; nothing was written"
+    )
 
 
 def rope_of(hf: Any) -> dict[str, Any]:
@@ -253,9 +372,11 @@ def rope_of(hf: Any) -> dict[str, Any]:
     if getattr(hf, "rope_parameters", None):
         return dict(hf.rope_parameters)
     scaling = getattr(hf, "rope_scaling", None) or {}
-    return {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-            "rope_theta": getattr(hf, "rope_theta", getattr(hf, "rotary_emb_base", 10000.0)),
-            "partial_rotary_factor": getattr(hf, "partial_rotary_factor", getattr(hf, "rotary_pct", 1.0))}
+    return {
+        "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+        "rope_theta": getattr(hf, "rope_theta", getattr(hf, "rotary_emb_base", 10000.0)),
+        "partial_rotary_factor": getattr(hf, "partial_rotary_factor", getattr(hf, "rotary_pct", 1.0)),
+    }
 
 
 def _rope_flags(hf: Any, hf_dir: str, spec: Spec) -> list[str]:
@@ -269,8 +390,20 @@ def _rope_flags(hf: Any, hf_dir: str, spec: Spec) -> list[str]:
 
 
 def _common_flags(layers: int, hidden: int, heads: int, ffn: int, positions: int, std: float, tied: bool) -> list[str]:
-    flags = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
-             "--ffn-hidden-size", str(ffn), "--max-position-embeddings", str(positions), "--init-method-std", repr(std)]
+    flags = [
+        "--num-layers",
+        str(layers),
+        "--hidden-size",
+        str(hidden),
+        "--num-attention-heads",
+        str(heads),
+        "--ffn-hidden-size",
+        str(ffn),
+        "--max-position-embeddings",
+        str(positions),
+        "--init-method-std",
+        repr(std),
+    ]
     return flags + ([] if tied else ["--untie-embeddings-and-output-weights"])
 
 
@@ -282,10 +415,26 @@ def _llama_flags(hf: Any, hf_dir: str, spec: Spec, biases: bool) -> list[str]:
         raise _refuse(hf_dir, spec, "sliding-window attention")
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    flags = _common_flags(hf.num_hidden_layers, hf.hidden_size, heads, hf.intermediate_size,
-                          hf.max_position_embeddings, hf.initializer_range, hf.tie_word_embeddings)
-    flags += ["--normalization", "RMSNorm", "--norm-epsilon", repr(hf.rms_norm_eps), "--swiglu",
-              "--hidden-dropout", "0.0", "--attention-dropout", repr(float(hf.attention_dropout))]
+    flags = _common_flags(
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        heads,
+        hf.intermediate_size,
+        hf.max_position_embeddings,
+        hf.initializer_range,
+        hf.tie_word_embeddings,
+    )
+    flags += [
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        repr(hf.rms_norm_eps),
+        "--swiglu",
+        "--hidden-dropout",
+        "0.0",
+        "--attention-dropout",
+        repr(float(hf.attention_dropout)),
+    ]
     flags += _rope_flags(hf, hf_dir, spec) + ([] if biases else ["--disable-bias-linear"])
     if kv_heads != heads:
         flags += ["--group-query-attention", "--num-query-groups", str(kv_heads)]
@@ -297,6 +446,7 @@ def _llama_flags(hf: Any, hf_dir: str, spec: Spec, biases: bool) -> list[str]:
 @dataclass(frozen=True)
 class MoELayout:
     """A Hugging Face MoE config's router and which layers are MoE, in our terms."""
+
     routing: Routing
     experts_per_layer: tuple[int, ...]  # 1: a dense layer
     interval: int  # our --expert-interval: only every interval-th layer may be MoE
@@ -308,8 +458,9 @@ def moe_layout(hf: Any, spec: Spec) -> MoELayout:
         return MoELayout(Routing(hf.num_experts_per_tok), (hf.num_local_experts,) * layers, 1)
     if spec is GLM4_MOE:
         groups = (hf.n_group, hf.topk_group) if hf.topk_group < hf.n_group else (1, 1)  # all groups: no limit
-        routing = Routing(hf.num_experts_per_tok, "sigmoid", hf.norm_topk_prob, float(hf.routed_scaling_factor), True,
-                          *groups)
+        routing = Routing(
+            hf.num_experts_per_tok, "sigmoid", hf.norm_topk_prob, float(hf.routed_scaling_factor), True, *groups
+        )
         first = min(hf.first_k_dense_replace, layers)
         return MoELayout(routing, (1,) * first + (hf.n_routed_experts,) * (layers - first), 1)
     step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or [])
@@ -323,9 +474,15 @@ def _moe_flags(hf: Any, hf_dir: str, spec: Spec) -> list[str]:
     if unsupported:
         raise _refuse(hf_dir, spec, unsupported)
     experts = max(layout.experts_per_layer)
-    candidates = layout.experts_per_layer[layout.interval - 1::layout.interval]
+    candidates = layout.experts_per_layer[layout.interval - 1 :: layout.interval]
     counts = [experts] if set(candidates) == {experts} else candidates
-    flags = ["--num-experts", *map(str, counts), "--expert-interval", str(layout.interval), "--disable-moe-token-dropping"]
+    flags = [
+        "--num-experts",
+        *map(str, counts),
+        "--expert-interval",
+        str(layout.interval),
+        "--disable-moe-token-dropping",
+    ]
     if getattr(hf, "moe_intermediate_size", None) is not None:
         flags += ["--moe-ffn-hidden-size", str(hf.moe_intermediate_size)]
     if getattr(hf, "router_aux_loss_coef", None) is not None:
@@ -339,17 +496,31 @@ def flags_from_hf(hf: Any, hf_dir: str) -> tuple[Spec, list[str]]:
     spec = BY_MODEL_TYPE.get(hf.model_type)
     if spec is None:
         known = ", ".join(f"{s.model_type} ({s.name})" for s in DENSE_SPECS + MOE_SPECS)
-        raise CheckpointError(f"{hf_dir} holds a {hf.model_type!r} model, which this toolkit does not convert; "
-                              f"it converts {known}")
+        raise CheckpointError(
+            f"{hf_dir} holds a {hf.model_type!r} model, which this toolkit does not convert; it converts {known}"
+        )
     if spec is GPT2:
         if hf.activation_function != "gelu":
             raise _refuse(hf_dir, spec, f"activation {hf.activation_function!r} (ours is the exact, erf GELU)")
         if hf.scale_attn_by_inverse_layer_idx or not hf.scale_attn_weights or hf.add_cross_attention:
             raise _refuse(hf_dir, spec, "attention scaling or cross-attention options")
-        flags = _common_flags(hf.n_layer, hf.n_embd, hf.n_head, hf.n_inner or 4 * hf.n_embd, hf.n_positions,
-                              hf.initializer_range, hf.tie_word_embeddings)
-        return spec, flags + ["--norm-epsilon", repr(hf.layer_norm_epsilon), "--hidden-dropout", repr(float(hf.resid_pdrop)),
-                              "--attention-dropout", repr(float(hf.attn_pdrop))]
+        flags = _common_flags(
+            hf.n_layer,
+            hf.n_embd,
+            hf.n_head,
+            hf.n_inner or 4 * hf.n_embd,
+            hf.n_positions,
+            hf.initializer_range,
+            hf.tie_word_embeddings,
+        )
+        return spec, flags + [
+            "--norm-epsilon",
+            repr(hf.layer_norm_epsilon),
+            "--hidden-dropout",
+            repr(float(hf.resid_pdrop)),
+            "--attention-dropout",
+            repr(float(hf.attn_pdrop)),
+        ]
     if spec is GPT_NEOX:
         if hf.hidden_act != "gelu":
             raise _refuse(hf_dir, spec, f"activation {hf.hidden_act!r} (ours is the exact, erf GELU)")
@@ -357,10 +528,23 @@ def flags_from_hf(hf: Any, hf_dir: str) -> tuple[Spec, list[str]]:
             raise _refuse(hf_dir, spec, "parallel residual (use_parallel_residual: attention and MLP side by side)")
         if not hf.attention_bias:
             raise _refuse(hf_dir, spec, "attention without biases beside MLPs with them")
-        flags = _common_flags(hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.intermediate_size,
-                              hf.max_position_embeddings, hf.initializer_range, hf.tie_word_embeddings)
-        return spec, flags + ["--norm-epsilon", repr(hf.layer_norm_eps), "--hidden-dropout", repr(float(hf.hidden_dropout)),
-                              "--attention-dropout", repr(float(hf.attention_dropout))] + _rope_flags(hf, hf_dir, spec)
+        flags = _common_flags(
+            hf.num_hidden_layers,
+            hf.hidden_size,
+            hf.num_attention_heads,
+            hf.intermediate_size,
+            hf.max_position_embeddings,
+            hf.initializer_range,
+            hf.tie_word_embeddings,
+        )
+        return spec, flags + [
+            "--norm-epsilon",
+            repr(hf.layer_norm_eps),
+            "--hidden-dropout",
+            repr(float(hf.hidden_dropout)),
+            "--attention-dropout",
+            repr(float(hf.attention_dropout)),
+        ] + _rope_flags(hf, hf_dir, spec)
     if spec is LLAMA:
         if hf.attention_bias != hf.mlp_bias:
             raise _refuse(hf_dir, spec, "biases in the attention or the MLP alone (ours has both or neither)")
@@ -376,8 +560,11 @@ def flags_from_hf(hf: Any, hf_dir: str) -> tuple[Spec, list[str]]:
     if spec is QWEN2_MOE:
         if not hf.shared_expert_intermediate_size:
             raise _refuse(hf_dir, spec, "shared experts of width 0")
-        flags += ["--moe-shared-expert-intermediate-size", str(hf.shared_expert_intermediate_size),
-                  "--moe-shared-expert-gate"]
+        flags += [
+            "--moe-shared-expert-intermediate-size",
+            str(hf.shared_expert_intermediate_size),
+            "--moe-shared-expert-gate",
+        ]
     if spec is GLM4_MOE and hf.n_shared_experts:
         flags += ["--moe-shared-expert-intermediate-size", str(hf.n_shared_experts * hf.moe_intermediate_size)]
     return spec, flags

@@ -54,8 +54,10 @@ def weight_files(hf_dir: Path) -> list[Path]:
     if files:
         return files
     if any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
-        raise CheckpointError(f"{hf_dir} holds its weights as PyTorch pickles, which this converter does not read "
-                              "(nothing here is unpickled); save the model with save_pretrained(safe_serialization=True)")
+        raise CheckpointError(
+            f"{hf_dir} holds its weights as PyTorch pickles, which this converter does not read "
+            "(nothing here is unpickled); save the model with save_pretrained(safe_serialization=True)"
+        )
     raise CheckpointError(f"{hf_dir} holds no safetensors weights; give the folder save_pretrained wrote")
 
 
@@ -68,15 +70,18 @@ def read_hf_config(hf_dir: Path) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise CheckpointError("importing a Hugging Face model reads its config with transformers; "
-                              "pip install transformers") from None
+        raise CheckpointError(
+            "importing a Hugging Face model reads its config with transformers; pip install transformers"
+        ) from None
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; give the folder save_pretrained wrote")
     try:
         return AutoConfig.from_pretrained(str(hf_dir))
     except (ValueError, KeyError, OSError) as error:
-        raise CheckpointError(f"{hf_dir / 'config.json'} is not a config transformers reads ({error}); "
-                              "give the folder save_pretrained wrote") from None
+        raise CheckpointError(
+            f"{hf_dir / 'config.json'} is not a config transformers reads ({error}); "
+            "give the folder save_pretrained wrote"
+        ) from None
 
 
 def parse_model_flags(flags: list[str], vocab_size: int, hf_dir: Path) -> tuple[GPTConfig, dict]:
@@ -86,7 +91,9 @@ def parse_model_flags(flags: list[str], vocab_size: int, hf_dir: Path) -> tuple[
         args = build_parser(sizing=True).parse_args(flags + ["--seq-length", positions])
         return replace(model_config_from_args(args), vocab_size=vocab_size), vars(args)
     except ConfigError as error:
-        raise CheckpointError(f"{hf_dir} was not imported: its config becomes flags this toolkit refuses ({error})") from None
+        raise CheckpointError(
+            f"{hf_dir} was not imported: its config becomes flags this toolkit refuses ({error})"
+        ) from None
 
 
 def check_same_model(config: GPTConfig, spec: Spec, hf: Any, hf_dir: Path) -> None:
@@ -124,13 +131,16 @@ class Imported:
     flags: list[str]  # pretrain_gpt.py's flags for the model and its tokenizer
 
 
-def import_from_hf(hf_dir: str, save: str, ep_size: int = 1, dtype: torch.dtype | None = None,
-                   log: Log = print) -> Imported:
+def import_from_hf(
+    hf_dir: str, save: str, ep_size: int = 1, dtype: torch.dtype | None = None, log: Log = print
+) -> Imported:
     """Convert the Hugging Face folder `hf_dir` into the new checkpoint directory `save`."""
     source, target = Path(hf_dir), Path(save)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(f"--save {target} already exists and is not an empty folder; give a new folder, so that "
-                              "nothing is overwritten")
+        raise CheckpointError(
+            f"--save {target} already exists and is not an empty folder; give a new folder, so that "
+            "nothing is overwritten"
+        )
     hf = read_hf_config(source)
     spec, model_flags = flags_from_hf(hf, str(source))
     with TensorIndex(weight_files(source)) as index:
@@ -141,49 +151,88 @@ def import_from_hf(hf_dir: str, save: str, ep_size: int = 1, dtype: torch.dtype 
             raise
     if note:
         log(f" > note: {note}")
-    log(f" > imported {source} ({spec.name}) into {folder}; continue pretraining with these flags and your data, "
-        f"batch and schedule flags:\n{shlex.join(flags)} --load {shlex.quote(str(target))}")
+    log(
+        f" > imported {source} ({spec.name}) into {folder}; continue pretraining with these flags and your data, "
+        f"batch and schedule flags:\n{shlex.join(flags)} --load {shlex.quote(str(target))}"
+    )
     return Imported(folder, flags)
 
 
-def _convert(source: Path, target: Path, hf: Any, spec: Spec, model_flags: list[str], index: TensorIndex, ep_size: int,
-             dtype: torch.dtype | None) -> tuple[Path, list[str], str | None]:
+def _convert(
+    source: Path,
+    target: Path,
+    hf: Any,
+    spec: Spec,
+    model_flags: list[str],
+    index: TensorIndex,
+    ep_size: int,
+    dtype: torch.dtype | None,
+) -> tuple[Path, list[str], str | None]:
     rows = hf.vocab_size
     tokenizer = import_tokenizer(source, target / "tokenizer", rows)
     ours = tokenizer.tokenizer
     if ours.vocab_size > rows:
-        raise CheckpointError(f"{source}'s tokenizer has {ours.vocab_size} ids but its model only {rows} embedding rows; "
-                              "give the folder of a model and the tokenizer it was trained with")
-    flags = model_flags + tokenizer.flags + ["--make-vocab-size-divisible-by", str(vocab_divisor(ours.vocab_size, rows))]
+        raise CheckpointError(
+            f"{source}'s tokenizer has {ours.vocab_size} ids but its model only {rows} embedding rows; "
+            "give the folder of a model and the tokenizer it was trained with"
+        )
+    flags = (
+        model_flags + tokenizer.flags + ["--make-vocab-size-divisible-by", str(vocab_divisor(ours.vocab_size, rows))]
+    )
     if ep_size > 1:
         flags += ["--moe-expert-parallel-size", str(ep_size)]
     config, parsed = parse_model_flags(flags, rows, source)
     check_same_model(config, spec, hf, source)
     uneven = sorted({count for count in config.experts_per_layer if count > 1 and count % ep_size})
     if uneven:
-        raise ConfigError(f"--moe-expert-parallel-size {ep_size} does not divide the {uneven[0]} experts of "
-                          f"{source}'s MoE layers; choose an expert-parallel size that divides it")
+        raise ConfigError(
+            f"--moe-expert-parallel-size {ep_size} does not divide the {uneven[0]} experts of "
+            f"{source}'s MoE layers; choose an expert-parallel size that divides it"
+        )
     links = model_links(config, spec.family, spec.model_type, torch.float32)  # (the dtype of zeros only exports make)
     needed = {name for link in links for name in link.theirs}
     missing = sorted(needed - index.info.keys())
     if missing:
         fused = any(name.endswith("experts.gate_up_proj") for name in index.info)
-        how = ("it stores the experts fused (gate_up_proj): save it with save_pretrained(save_original_format=True)"
-               if fused else "give the folder save_pretrained wrote, with all its shards")
+        how = (
+            "it stores the experts fused (gate_up_proj): save it with save_pretrained(save_original_format=True)"
+            if fused
+            else "give the folder save_pretrained wrote, with all its shards"
+        )
         raise CheckpointError(f"{source} lacks {missing[0]}, which its config.json calls for; {how}")
     unused = unused_tensors(set(index.info), needed, config)
     if unused:
-        raise CheckpointError(f"{source} holds {unused[0]}, which a {spec.name} model of its config.json does not "
-                              "use; give the folder of one model as save_pretrained wrote it")
+        raise CheckpointError(
+            f"{source} holds {unused[0]}, which a {spec.name} model of its config.json does not "
+            "use; give the folder of one model as save_pretrained wrote it"
+        )
     planned = plan(links, False, index.info, dtype)
-    check_entries({entry.name: entry.info for entry in planned}, expected_entries(config), str(source),
-                  "its tensors do not fit its config.json")
+    check_entries(
+        {entry.name: entry.info for entry in planned},
+        expected_entries(config),
+        str(source),
+        "its tensors do not fit its config.json",
+    )
     model_config = asdict(config)
-    client = {"iteration": 0, "consumed_samples": 0, "model_config": model_config, "flags": parsed,
-              "converted_from": str(source.resolve())}
-    run = RunRecord(iteration=0, consumed_samples=0, consumed_tokens=0, model=model_config,
-                    tokenizer={"type": parsed["tokenizer_type"], "model": parsed["tokenizer_model"],
-                               "vocab_file": parsed["vocab_file"], "merge_file": parsed["merge_file"],
-                               "vocab_size": ours.vocab_size})
+    client = {
+        "iteration": 0,
+        "consumed_samples": 0,
+        "model_config": model_config,
+        "flags": parsed,
+        "converted_from": str(source.resolve()),
+    }
+    run = RunRecord(
+        iteration=0,
+        consumed_samples=0,
+        consumed_tokens=0,
+        model=model_config,
+        tokenizer={
+            "type": parsed["tokenizer_type"],
+            "model": parsed["tokenizer_model"],
+            "vocab_file": parsed["vocab_file"],
+            "merge_file": parsed["merge_file"],
+            "vocab_size": ours.vocab_size,
+        },
+    )
     folder = write_weights_checkpoint(target, planned, LinkRunner(links, False, index, dtype), client, run, ep_size)
     return folder, flags, tokenizer.note

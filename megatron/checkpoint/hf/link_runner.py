@@ -27,8 +27,10 @@ def plan(links: list[Link], to_hf: bool, inputs: dict[str, TensorInfo], cast_to:
     for link in links:
         names, outputs, function = sides(link, to_hf)
         made = function(*(inputs[name].meta() for name in names))
-        planned += [Planned(name, TensorInfo(output_dtype(tensor.dtype, cast_to), tuple(tensor.shape)))
-                    for name, tensor in zip(outputs, made)]
+        planned += [
+            Planned(name, TensorInfo(output_dtype(tensor.dtype, cast_to), tuple(tensor.shape)))
+            for name, tensor in zip(outputs, made)
+        ]
     return planned
 
 

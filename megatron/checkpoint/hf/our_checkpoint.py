@@ -35,7 +35,9 @@ def expected_entries(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         model = GPTModel(config)
     entries: dict[str, tuple[int, ...]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        entries.update({key: tuple(value.shape) for key, value in global_entries(name, tensor, expert_ids(tensor)).items()})
+        entries.update(
+            {key: tuple(value.shape) for key, value in global_entries(name, tensor, expert_ids(tensor)).items()}
+        )
     return entries
 
 
@@ -45,18 +47,26 @@ def check_entries(found: dict[str, TensorInfo], expected: dict[str, tuple[int, .
         if name not in found:
             raise CheckpointError(f"{where} lacks {name}; {fix}")
         if found[name].shape != shape:
-            raise CheckpointError(f"{name} in {where} has shape {found[name].shape} but the model config calls for "
-                                  f"{shape}; {fix}")
+            raise CheckpointError(
+                f"{name} in {where} has shape {found[name].shape} but the model config calls for {shape}; {fix}"
+            )
 
 
 def refuse_existing_checkpoints(save: Path) -> None:
     if holds_checkpoints(str(save)):
-        raise CheckpointError(f"--save {save} already holds checkpoints; give an empty or new folder, so that nothing "
-                              "is overwritten")
+        raise CheckpointError(
+            f"--save {save} already holds checkpoints; give an empty or new folder, so that nothing is overwritten"
+        )
 
 
-def write_weights_checkpoint(save: Path, planned: list[Planned], produce: Callable[[str], torch.Tensor],
-                             client_state: dict[str, Any], run: RunRecord, ep_size: int) -> Path:
+def write_weights_checkpoint(
+    save: Path,
+    planned: list[Planned],
+    produce: Callable[[str], torch.Tensor],
+    client_state: dict[str, Any],
+    run: RunRecord,
+    ep_size: int,
+) -> Path:
     """Write `SAVE/iter_0000000/` (staged, then renamed into place) and move `latest` to it."""
     refuse_existing_checkpoints(save)
     final = save / iteration_tag(0)
@@ -70,15 +80,34 @@ def write_weights_checkpoint(save: Path, planned: list[Planned], produce: Callab
             name = rank_file(MODEL, 0, part)
             size, checksum = write_file(staging / name, entries, produce)
             files[name] = FileRecord(size=size, checksum=checksum)
-        engine = {"global_steps": 0, "micro_steps": 0, "skipped_steps": 0, "optimizer_groups": [], "lr_scheduler": None,
-                  "loss_scaler": None, "client_state": client_state, "dp_size": 1, "ep_size": ep_size,
-                  "weights_only": True}
+        engine = {
+            "global_steps": 0,
+            "micro_steps": 0,
+            "skipped_steps": 0,
+            "optimizer_groups": [],
+            "lr_scheduler": None,
+            "loss_scaler": None,
+            "client_state": client_state,
+            "dp_size": 1,
+            "ep_size": ep_size,
+            "weights_only": True,
+        }
         (staging / ENGINE_FILE).write_text(json.dumps(engine, indent=1))
         fsync_path(staging / ENGINE_FILE)
         files[ENGINE_FILE] = file_record(staging / ENGINE_FILE)
-        write_manifest(staging, Manifest(
-            format_version=FORMAT_VERSION, run=run, world_size=1, data_parallel_size=1, expert_parallel_size=ep_size,
-            zero_stage=0, precision="fp32", files=dict(sorted(files.items()))))
+        write_manifest(
+            staging,
+            Manifest(
+                format_version=FORMAT_VERSION,
+                run=run,
+                world_size=1,
+                data_parallel_size=1,
+                expert_parallel_size=ep_size,
+                zero_stage=0,
+                precision="fp32",
+                files=dict(sorted(files.items())),
+            ),
+        )
         fsync_path(staging)
         replace_durably(staging, final)
     except BaseException:

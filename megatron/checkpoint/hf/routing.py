@@ -55,14 +55,21 @@ def routing_flags(routing: Routing) -> list[str]:
     if routing.score == "softmax":
         # Megatron-Core's softmax rather than DeepSpeed's gating: the same gates, and in training
         # no Gumbel-sampled second expert or random token selection, as these models were trained
-        return flags + (["--moe-router-pre-softmax"] if not routing.normalized else ["--moe-router-score-function", "softmax"])
+        return flags + (
+            ["--moe-router-pre-softmax"] if not routing.normalized else ["--moe-router-score-function", "softmax"]
+        )
     flags += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     if not routing.normalized:
         flags.append("--disable-moe-router-norm-topk-prob")
     if routing.scaling != 1.0:
         flags += ["--moe-router-topk-scaling-factor", repr(routing.scaling)]
     if routing.group_limited:
-        flags += ["--moe-router-num-groups", str(routing.num_groups), "--moe-router-group-topk", str(routing.group_topk)]
+        flags += [
+            "--moe-router-num-groups",
+            str(routing.num_groups),
+            "--moe-router-group-topk",
+            str(routing.group_topk),
+        ]
     return flags
 
 
@@ -75,7 +82,9 @@ def unsupported_routing(routing: Routing) -> str | None:
     if routing.score == "softmax" and (routing.scaling != 1.0 or routing.expert_bias or routing.group_limited):
         return "softmax routing with a scaling factor, expert bias or expert groups"
     if not routing.group_rule_is_hugging_faces:
-        return (f"group-limited routing choosing {routing.group_topk} of {routing.num_groups} groups for "
-                f"{routing.topk} experts (groups are scored by their best 2 experts there but by their best "
-                f"{routing.topk // routing.group_topk} here)")
+        return (
+            f"group-limited routing choosing {routing.group_topk} of {routing.num_groups} groups for "
+            f"{routing.topk} experts (groups are scored by their best 2 experts there but by their best "
+            f"{routing.topk // routing.group_topk} here)"
+        )
     return None

@@ -2,9 +2,10 @@
 holds more than a few of its tensors in memory.
 
 Reading: `TensorIndex` takes every tensor's dtype and shape from the file headers (safe_open),
-and reads a tensor's data only when asked for it, with pread(2) rather than a memory map. Writing: the header of a file is known before
-any data is (the names, dtypes and shapes of what goes in it), so `write_file` writes the header,
-then asks for each tensor in turn and writes its bytes, checksumming them as they go by (for our
+and reads a tensor's data only when asked for it, with pread(2) rather than a memory map.
+Writing: the header of a file is known before any data is (the names, dtypes and shapes of what goes
+in it), so `write_file` writes the header, then asks for each tensor in turn and writes its bytes,
+checksumming them as they go by (for our
 checkpoint's manifest).
 """
 
@@ -25,9 +26,18 @@ from megatron.checkpoint.checksum import BlockSum
 from megatron.errors import CheckpointError, ConfigError
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
@@ -69,18 +79,22 @@ class TensorIndex:
                 handle = self._handles[path] = self._stack.enter_context(_open(path))
                 for name in handle.keys():
                     if name in self.info:
-                        raise CheckpointError(f"{name} is in both {self.file_of[name]} and {path}; "
-                                              "remove the stray file from the folder")
+                        raise CheckpointError(
+                            f"{name} is in both {self.file_of[name]} and {path}; remove the stray file from the folder"
+                        )
                     piece = handle.get_slice(name)
                     if piece.get_dtype() not in DTYPES:
-                        raise CheckpointError(f"{name} in {path} has dtype {piece.get_dtype()}, which this converter "
-                                              f"does not read; convert it to one of {', '.join(DTYPES)} first")
+                        raise CheckpointError(
+                            f"{name} in {path} has dtype {piece.get_dtype()}, which this converter "
+                            f"does not read; convert it to one of {', '.join(DTYPES)} first"
+                        )
                     self.info[name] = TensorInfo(DTYPES[piece.get_dtype()], tuple(piece.get_shape()))
                     self.file_of[name] = path
         except SafetensorError as error:
             self._stack.close()
-            raise CheckpointError(f"a safetensors file among {files[0].parent} is damaged ({error}); "
-                                  "replace it with an intact copy") from None
+            raise CheckpointError(
+                f"a safetensors file among {files[0].parent} is damaged ({error}); replace it with an intact copy"
+            ) from None
         except BaseException:
             self._stack.close()
             raise
@@ -89,7 +103,9 @@ class TensorIndex:
         try:
             return self._handles[self.file_of[name]].get_tensor(name)
         except SafetensorError as error:
-            raise CheckpointError(f"{self.file_of[name]} is damaged ({error}); replace it with an intact copy") from None
+            raise CheckpointError(
+                f"{self.file_of[name]} is damaged ({error}); replace it with an intact copy"
+            ) from None
 
     def __enter__(self) -> "TensorIndex":
         return self
@@ -101,12 +117,14 @@ class TensorIndex:
 @dataclass(frozen=True)
 class Planned:
     """A tensor to write: its name and what it will be."""
+
     name: str
     info: TensorInfo
 
 
-def write_file(path: Path, entries: list[Planned], produce: Callable[[str], torch.Tensor],
-               metadata: dict[str, str] | None = None) -> tuple[int, str]:
+def write_file(
+    path: Path, entries: list[Planned], produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Write `entries` (each made by `produce(name)` when its turn comes) as a safetensors file,
     flushed to the disk; returns its size and checksum (megatron/checkpoint/checksum.py)."""
     # wider dtypes first, each keeping the planned order, so every tensor starts aligned to its
@@ -115,8 +133,11 @@ def write_file(path: Path, entries: list[Planned], produce: Callable[[str], torc
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for entry in ordered:
-        header[entry.name] = {"dtype": CODES[entry.info.dtype], "shape": list(entry.info.shape),
-                              "data_offsets": [offset, offset + entry.info.nbytes]}
+        header[entry.name] = {
+            "dtype": CODES[entry.info.dtype],
+            "shape": list(entry.info.shape),
+            "data_offsets": [offset, offset + entry.info.nbytes],
+        }
         offset += entry.info.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -129,8 +150,10 @@ def write_file(path: Path, entries: list[Planned], produce: Callable[[str], torc
         for entry in ordered:
             tensor = produce(entry.name)
             if tensor.dtype != entry.info.dtype or tuple(tensor.shape) != entry.info.shape:
-                raise RuntimeError(f"{entry.name} came out {tensor.dtype} {tuple(tensor.shape)}, planned "
-                                   f"{entry.info.dtype} {entry.info.shape}")
+                raise RuntimeError(
+                    f"{entry.name} came out {tensor.dtype} {tuple(tensor.shape)}, planned "
+                    f"{entry.info.dtype} {entry.info.shape}"
+                )
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             out.write(data)
             checksum.update(data)
@@ -141,13 +164,25 @@ def write_file(path: Path, entries: list[Planned], produce: Callable[[str], torc
     return size, checksum.hexdigest()
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
     """Bytes of a size as Hugging Face's max_shard_size writes it: "5GB" (10^9), "500MiB" (2^20), 1000000."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
     if not match or match.group(2) not in _UNITS or float(match.group(1)) * _UNITS[match.group(2)] < 1:
-        raise ConfigError(f"--max-shard-size {text!r} is not a size; write it as Hugging Face does, e.g. 5GB, 500MB or 2GiB")
+        raise ConfigError(
+            f"--max-shard-size {text!r} is not a size; write it as Hugging Face does, e.g. 5GB, 500MB or 2GiB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2)])

@@ -48,6 +48,7 @@ def only_theirs(theirs: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dt
 
 # ---- attention ----------------------------------------------------------------------------------
 
+
 def split_qkv(fused: torch.Tensor, c: GPTConfig) -> Tensors:
     """Our fused rows (a weight [X, H] or a bias [X]) as q [N*D, ...], k and v [G*D, ...]."""
     n, g, d, rest = c.num_attention_heads, c.kv_heads, c.head_dim, fused.shape[1:]
@@ -55,8 +56,11 @@ def split_qkv(fused: torch.Tensor, c: GPTConfig) -> Tensors:
         return tuple(fused.view(3, n * d, *rest).unbind(0))
     per_group = n // g
     grouped = fused.view(g, per_group + 2, d, *rest)
-    return (grouped[:, :per_group].reshape(n * d, *rest), grouped[:, per_group].reshape(g * d, *rest),
-            grouped[:, per_group + 1].reshape(g * d, *rest))
+    return (
+        grouped[:, :per_group].reshape(n * d, *rest),
+        grouped[:, per_group].reshape(g * d, *rest),
+        grouped[:, per_group + 1].reshape(g * d, *rest),
+    )
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: GPTConfig) -> torch.Tensor:
@@ -65,7 +69,8 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: GPTConfig) ->
         return torch.cat([q, k, v])
     per_group = n // g
     return torch.cat([q.view(g, per_group, d, *rest), k.view(g, 1, d, *rest), v.view(g, 1, d, *rest)], dim=1).reshape(
-        -1, *rest)
+        -1, *rest
+    )
 
 
 def neox_from_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: GPTConfig) -> torch.Tensor:
@@ -88,35 +93,57 @@ def attention_links(c: GPTConfig, family: str, ours: str, theirs: str) -> list[L
         dense = f"{ours}self_attention.dense.{suffix}"
         if family == "gpt2":
             flip = (lambda t: t.t()) if suffix == "weight" else (lambda t: t)
-            links += [Link((qkv,), (f"{theirs}attn.c_attn.{suffix}",),
-                           lambda t, flip=flip: (flip(torch.cat(split_qkv(t, c))),),
-                           lambda t, flip=flip: (fuse_qkv(*flip(t).split([c.hidden_size] * 3), c),)),
-                      (transposed if suffix == "weight" else same)(dense, f"{theirs}attn.c_proj.{suffix}")]
+            links += [
+                Link(
+                    (qkv,),
+                    (f"{theirs}attn.c_attn.{suffix}",),
+                    lambda t, flip=flip: (flip(torch.cat(split_qkv(t, c))),),
+                    lambda t, flip=flip: (fuse_qkv(*flip(t).split([c.hidden_size] * 3), c),),
+                ),
+                (transposed if suffix == "weight" else same)(dense, f"{theirs}attn.c_proj.{suffix}"),
+            ]
         elif family == "gpt_neox":
-            links += [Link((qkv,), (f"{theirs}attention.query_key_value.{suffix}",),
-                           lambda t: (neox_from_parts(*split_qkv(t, c), c),),
-                           lambda t: (fuse_qkv(*neox_parts(t, c), c),)),
-                      same(dense, f"{theirs}attention.dense.{suffix}")]
+            links += [
+                Link(
+                    (qkv,),
+                    (f"{theirs}attention.query_key_value.{suffix}",),
+                    lambda t: (neox_from_parts(*split_qkv(t, c), c),),
+                    lambda t: (fuse_qkv(*neox_parts(t, c), c),),
+                ),
+                same(dense, f"{theirs}attention.dense.{suffix}"),
+            ]
         else:
             names = tuple(f"{theirs}self_attn.{p}_proj.{suffix}" for p in "qkv")
-            links += [Link((qkv,), names, lambda t: split_qkv(t, c), lambda q, k, v: (fuse_qkv(q, k, v, c),)),
-                      same(dense, f"{theirs}self_attn.o_proj.{suffix}")]
+            links += [
+                Link((qkv,), names, lambda t: split_qkv(t, c), lambda q, k, v: (fuse_qkv(q, k, v, c),)),
+                same(dense, f"{theirs}self_attn.o_proj.{suffix}"),
+            ]
     if c.qk_layernorm:  # the Llama family only (Qwen3, Qwen3-MoE, GLM-4-MoE), RMSNorm: weights alone
-        links += [same(f"{ours}self_attention.{p}_layernorm.weight", f"{theirs}self_attn.{p}_norm.weight") for p in "qk"]
+        links += [
+            same(f"{ours}self_attention.{p}_layernorm.weight", f"{theirs}self_attn.{p}_norm.weight") for p in "qk"
+        ]
     return links
 
 
 # ---- MLPs and experts -----------------------------------------------------------------------------
 
-def gated_links(ours: str, theirs: str, bias: bool, up: str = "up_proj", gate: str = "gate_proj",
-                down: str = "down_proj") -> list[Link]:
+
+def gated_links(
+    ours: str, theirs: str, bias: bool, up: str = "up_proj", gate: str = "gate_proj", down: str = "down_proj"
+) -> list[Link]:
     """A SwiGLU MLP of ours (`ours` + dense_h_to_4h rows: gate then up; dense_4h_to_h) as separate
     gate, up and down projections."""
     links = []
     for suffix in ("weight", "bias") if bias else ("weight",):
-        links += [Link((f"{ours}dense_h_to_4h.{suffix}",), (f"{theirs}{gate}.{suffix}", f"{theirs}{up}.{suffix}"),
-                       lambda t: tuple(t.chunk(2)), lambda g, u: (torch.cat([g, u]),)),
-                  same(f"{ours}dense_4h_to_h.{suffix}", f"{theirs}{down}.{suffix}")]
+        links += [
+            Link(
+                (f"{ours}dense_h_to_4h.{suffix}",),
+                (f"{theirs}{gate}.{suffix}", f"{theirs}{up}.{suffix}"),
+                lambda t: tuple(t.chunk(2)),
+                lambda g, u: (torch.cat([g, u]),),
+            ),
+            same(f"{ours}dense_4h_to_h.{suffix}", f"{theirs}{down}.{suffix}"),
+        ]
     return links
 
 
@@ -126,10 +153,15 @@ def expert_links(ours: str, theirs: str, experts: int, names: tuple[str, str, st
     links = []
     for g in range(experts):
         prefix = f"{theirs}{g}."
-        links += [Link((f"{ours}w1[{g}]",), (f"{prefix}{gate}.weight", f"{prefix}{up}.weight"),
-                       lambda w1: tuple(half.t() for half in w1.chunk(2, dim=1)),
-                       lambda g_, u: (torch.cat([g_, u]).t(),)),
-                  transposed(f"{ours}w2[{g}]", f"{prefix}{down}.weight")]
+        links += [
+            Link(
+                (f"{ours}w1[{g}]",),
+                (f"{prefix}{gate}.weight", f"{prefix}{up}.weight"),
+                lambda w1: tuple(half.t() for half in w1.chunk(2, dim=1)),
+                lambda g_, u: (torch.cat([g_, u]).t(),),
+            ),
+            transposed(f"{ours}w2[{g}]", f"{prefix}{down}.weight"),
+        ]
     return links
 
 
@@ -138,19 +170,28 @@ def moe_links(c: GPTConfig, model_type: str, ours: str, theirs: str, experts: in
     router, ours_experts = f"{ours}mlp.router.", f"{ours}mlp.experts."
     if model_type == "mixtral":
         block = f"{theirs}block_sparse_moe."
-        return [same(f"{router}weight", f"{block}gate.weight"),
-                *expert_links(ours_experts, f"{block}experts.", experts, ("w1", "w3", "w2"))]
+        return [
+            same(f"{router}weight", f"{block}gate.weight"),
+            *expert_links(ours_experts, f"{block}experts.", experts, ("w1", "w3", "w2")),
+        ]
     block = f"{theirs}mlp."
-    links = [same(f"{router}weight", f"{block}gate.weight"),
-             *expert_links(ours_experts, f"{block}experts.", experts, ("gate_proj", "up_proj", "down_proj"))]
+    links = [
+        same(f"{router}weight", f"{block}gate.weight"),
+        *expert_links(ours_experts, f"{block}experts.", experts, ("gate_proj", "up_proj", "down_proj")),
+    ]
     shared = f"{ours}mlp.shared_expert."
     if model_type == "qwen2_moe":
-        links += [*gated_links(f"{shared}mlp.", f"{block}shared_expert.", bias=False),
-                  same(f"{shared}gate.weight", f"{block}shared_expert_gate.weight")]
+        links += [
+            *gated_links(f"{shared}mlp.", f"{block}shared_expert.", bias=False),
+            same(f"{shared}gate.weight", f"{block}shared_expert_gate.weight"),
+        ]
     if model_type == "glm4_moe":
         bias = f"{block}gate.e_score_correction_bias"
-        links.append(same(f"{router}expert_bias", bias) if c.moe.router_enable_expert_bias
-                     else only_theirs((bias,), (experts,), torch.float32))
+        links.append(
+            same(f"{router}expert_bias", bias)
+            if c.moe.router_enable_expert_bias
+            else only_theirs((bias,), (experts,), torch.float32)
+        )
         names = tuple(f"{block}shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
         if c.moe_shared_expert_intermediate_size is not None:
             links += gated_links(f"{shared}mlp.", f"{block}shared_experts.", bias=False)
@@ -161,6 +202,7 @@ def moe_links(c: GPTConfig, model_type: str, ours: str, theirs: str, experts: in
 
 
 # ---- whole models ---------------------------------------------------------------------------------
+
 
 def model_links(c: GPTConfig, family: str, model_type: str, dtype: torch.dtype) -> list[Link]:
     """Every tensor of model `c` as class `model_type` (of tensor-name `family`) holds it; `dtype`
@@ -184,13 +226,20 @@ def model_links(c: GPTConfig, family: str, model_type: str, dtype: torch.dtype) 
         if experts > 1:
             links += moe_links(c, model_type, ours, theirs, experts, dtype)
         elif family == "gpt2":
-            links += [transposed(f"{ours}mlp.dense_h_to_4h.weight", f"{theirs}mlp.c_fc.weight"),
-                      transposed(f"{ours}mlp.dense_4h_to_h.weight", f"{theirs}mlp.c_proj.weight")]
-            links += [same(f"{ours}mlp.dense_h_to_4h.bias", f"{theirs}mlp.c_fc.bias"),
-                      same(f"{ours}mlp.dense_4h_to_h.bias", f"{theirs}mlp.c_proj.bias")]
+            links += [
+                transposed(f"{ours}mlp.dense_h_to_4h.weight", f"{theirs}mlp.c_fc.weight"),
+                transposed(f"{ours}mlp.dense_4h_to_h.weight", f"{theirs}mlp.c_proj.weight"),
+            ]
+            links += [
+                same(f"{ours}mlp.dense_h_to_4h.bias", f"{theirs}mlp.c_fc.bias"),
+                same(f"{ours}mlp.dense_4h_to_h.bias", f"{theirs}mlp.c_proj.bias"),
+            ]
         elif family == "gpt_neox":
-            links += [same(f"{ours}mlp.{p}.{s}", f"{theirs}mlp.{p}.{s}")
-                      for p in ("dense_h_to_4h", "dense_4h_to_h") for s in ("weight", "bias")]
+            links += [
+                same(f"{ours}mlp.{p}.{s}", f"{theirs}mlp.{p}.{s}")
+                for p in ("dense_h_to_4h", "dense_4h_to_h")
+                for s in ("weight", "bias")
+            ]
         else:
             links += gated_links(f"{ours}mlp.", f"{theirs}mlp.", bias)
     links += [same(f"final_layernorm.{s}", f"{top}{final}.{s}") for s in norm_suffixes]

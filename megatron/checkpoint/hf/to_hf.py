@@ -28,7 +28,11 @@ from megatron.checkpoint.tensors import pack_by_size
 from megatron.data.tokenizer import Tokenizer
 from megatron.errors import CheckpointError
 from megatron.inference.checkpoint_model import (
-    TOKENIZER_FILE_FLAGS, checkpoint_folder, model_config_from_state, read_client_state, tokenizer_from_flags,
+    TOKENIZER_FILE_FLAGS,
+    checkpoint_folder,
+    model_config_from_state,
+    read_client_state,
+    tokenizer_from_flags,
 )
 from megatron.inference.mode import inference_config
 from megatron.parallel import single_process_grid
@@ -43,21 +47,30 @@ def shard_name(index: int, count: int) -> str:
 
 def refuse_existing_target(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--save {out} already exists and is not an empty folder; give a new folder, so that "
-                              "nothing is overwritten")
+        raise CheckpointError(
+            f"--save {out} already exists and is not an empty folder; give a new folder, so that nothing is overwritten"
+        )
 
 
 def refuse_small_disk(out: Path, needed: int) -> None:
     existing = next(parent for parent in (out, *out.parents) if parent.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise CheckpointError(f"the export needs about {needed:,} bytes but {existing}'s disk has {free:,} free; "
-                              "free space or give --save on a larger disk")
+        raise CheckpointError(
+            f"the export needs about {needed:,} bytes but {existing}'s disk has {free:,} free; "
+            "free space or give --save on a larger disk"
+        )
 
 
-def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_bytes: int = 5 * 10**9,
-                 dtype: torch.dtype | None = None, tokenizer_overrides: dict[str, str | None] | None = None,
-                 log: Log = print) -> Path:
+def export_to_hf(
+    load: str,
+    save: str,
+    ckpt_step: int | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    tokenizer_overrides: dict[str, str | None] | None = None,
+    log: Log = print,
+) -> Path:
     """Export checkpoint `load` (iteration `ckpt_step`, else the latest) into the new folder `save`,
     its floating-point tensors cast to `dtype` if given; returns the folder."""
     out = Path(save)
@@ -70,8 +83,12 @@ def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_b
     tokenizer = tokenizer_from_flags(flags, overrides)
     files = {name: overrides.get(name) or flags.get(name) for name in TOKENIZER_FILE_FLAGS}
     with TensorIndex(rank_files(folder, MODEL)) as index:
-        check_entries(index.info, expected_entries(config), str(folder),
-                      "the checkpoint does not hold the model its own config describes; export another iteration")
+        check_entries(
+            index.info,
+            expected_entries(config),
+            str(folder),
+            "the checkpoint does not hold the model its own config describes; export another iteration",
+        )
         links = model_links(config, spec.family, spec.model_type, dtype or index.info["word_embeddings.weight"].dtype)
         shards = pack_by_size(plan(links, True, index.info, dtype), lambda entry: entry.info.nbytes, max_shard_bytes)
         total = sum(entry.info.nbytes for shard in shards for entry in shard)
@@ -80,28 +97,41 @@ def export_to_hf(load: str, save: str, ckpt_step: int | None = None, max_shard_b
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         try:
-            tokens = export_tokenizer(flags["tokenizer_type"], files, tokenizer, staging, config.max_position_embeddings)
+            tokens = export_tokenizer(
+                flags["tokenizer_type"], files, tokenizer, staging, config.max_position_embeddings
+            )
             check_tokenizer(tokenizer, staging, flags.get("data_path") or flags.get("train_data_path"), log)
             stored = str(shards[0][0].info.dtype).removeprefix("torch.")
-            (staging / "config.json").write_text(json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n")
+            (staging / "config.json").write_text(
+                json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n"
+            )
             runner = LinkRunner(links, True, index, dtype)
             for number, shard in enumerate(shards):
                 write_file(staging / shard_name(number, len(shards)), shard, runner, metadata={"format": "pt"})
                 log(f" > wrote {shard_name(number, len(shards))} ({sum(e.info.nbytes for e in shard):,} bytes)")
             if len(shards) > 1:
-                weight_map = {entry.name: shard_name(number, len(shards))
-                              for number, shard in enumerate(shards) for entry in shard}
-                (staging / INDEX_FILE).write_text(json.dumps(
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+                weight_map = {
+                    entry.name: shard_name(number, len(shards))
+                    for number, shard in enumerate(shards)
+                    for entry in shard
+                }
+                (staging / INDEX_FILE).write_text(
+                    json.dumps(
+                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+                    )
+                    + "\n"
+                )
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     if out.exists():
         out.rmdir()
     staging.rename(out)
-    log(f" > exported {folder} as {spec.name} ({spec.hf_class}, {total:,} bytes in {len(shards)} file"
+    log(
+        f" > exported {folder} as {spec.name} ({spec.hf_class}, {total:,} bytes in {len(shards)} file"
         f"{'s' if len(shards) > 1 else ''}, vocabulary {config.vocab_size} rows for a tokenizer of "
-        f"{tokenizer.vocab_size}) to {out}")
+        f"{tokenizer.vocab_size}) to {out}"
+    )
     return out
 
 
@@ -115,11 +145,15 @@ def check_tokenizer(tokenizer: Tokenizer, folder: Path, data_paths: list[str] | 
     probes, documents = probe_texts(tokenizer), training_texts(data_paths, tokenizer, log)
     comparison = compare(tokenizer, folder, probes + documents)
     if comparison.difference:
-        raise CheckpointError(f"the exported tokenizer does not match the checkpoint's: {comparison.difference}; "
-                              "nothing was written (export with the tokenizer files the model was trained with)")
+        raise CheckpointError(
+            f"the exported tokenizer does not match the checkpoint's: {comparison.difference}; "
+            "nothing was written (export with the tokenizer files the model was trained with)"
+        )
     agreed = f"{len(probes)} probe texts and {len(documents)} documents of the training data"
     if comparison.unknown_rendering:
-        log(f" > the exported tokenizer gives our ids and text on {agreed}, but for the unknown piece, which it "
-            f"renders as {comparison.unknown_rendering}")
+        log(
+            f" > the exported tokenizer gives our ids and text on {agreed}, but for the unknown piece, which it "
+            f"renders as {comparison.unknown_rendering}"
+        )
     else:
         log(f" > the exported tokenizer gives our ids and text on {agreed}")

@@ -80,8 +80,10 @@ def training_texts(data_paths: Sequence[str] | None, ours: Tokenizer, log: Log) 
         documents = {int(i): data.get(int(i), length=min(int(data.sizes[i]), DOCUMENT_TOKENS)) for i in picks}
         largest = max((int(ids.max()) for ids in documents.values() if ids.size), default=-1)
         if largest >= ours.vocab_size:
-            log(f" > the training data {prefix} holds id {largest}, beyond the tokenizer's {ours.vocab_size}, so it "
-                "was not tokenized with it and the tokenizer was not checked on it")
+            log(
+                f" > the training data {prefix} holds id {largest}, beyond the tokenizer's {ours.vocab_size}, so it "
+                "was not tokenized with it and the tokenizer was not checked on it"
+            )
             continue
         texts += [CheckText(f"document {i} of {prefix}", ours.detokenize(ids.tolist())) for i, ids in documents.items()]
     return texts
@@ -93,7 +95,7 @@ def _windows(first: Sequence, second: Sequence, width: int) -> tuple[Sequence, S
         return first, second
     at = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
     start = max(at - width, 0)
-    return first[start:at + width], second[start:at + width]
+    return first[start : at + width], second[start : at + width]
 
 
 def _compare_text(text: CheckText, theirs: Any, ours: Tokenizer) -> Comparison:
@@ -102,7 +104,9 @@ def _compare_text(text: CheckText, theirs: Any, ours: Tokenizer) -> Comparison:
     if ids != expected:
         got, want = _windows(ids, expected, SHOWN)
         shown = text.text if len(text.text) <= 8 * SHOWN else ours.detokenize(want)
-        return Comparison(f"it splits {text.where} ({shown!r}) into ids {list(got)} where ours gives {list(want)}", None)
+        return Comparison(
+            f"it splits {text.where} ({shown!r}) into ids {list(got)} where ours gives {list(want)}", None
+        )
     decoded, own = theirs.decode(ids), ours.detokenize(ids)
     if decoded == own:
         return Comparison(None, None)

@@ -50,51 +50,79 @@ def render_unknown_as_sentencepiece(path: Path, sp: Any) -> None:
     if decoder is None or stand_in is None:
         return
     unknown = sp.id_to_piece(sp.unk_id())
-    content["decoder"] = {"type": "Sequence", "decoders": [
-        {"type": "Replace", "pattern": {"Regex": rf"\A{re.escape(unknown)}\z"}, "content": stand_in},
-        *(decoder["decoders"] if decoder["type"] == "Sequence" else [decoder]),
-        {"type": "Replace", "pattern": {"String": stand_in}, "content": sp.decode([sp.unk_id()])}]}
+    content["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"Regex": rf"\A{re.escape(unknown)}\z"}, "content": stand_in},
+            *(decoder["decoders"] if decoder["type"] == "Sequence" else [decoder]),
+            {"type": "Replace", "pattern": {"String": stand_in}, "content": sp.decode([sp.unk_id()])},
+        ],
+    }
     _write_json(path, content)
 
 
-def export_tokenizer(kind: str, files: dict[str, str | None], ours: Tokenizer, out: Path,
-                     max_length: int) -> dict[str, int | None]:
+def export_tokenizer(
+    kind: str, files: dict[str, str | None], ours: Tokenizer, out: Path, max_length: int
+) -> dict[str, int | None]:
     """Write `ours` (of --tokenizer-type `kind`, from `files`) into `out` for AutoTokenizer; returns
     the special token ids for config.json."""
-    common = {"model_max_length": max_length, "clean_up_tokenization_spaces": False,
-              "add_bos_token": False, "add_eos_token": False}
+    common = {
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
     if kind == "SentencePieceTokenizer":
         import sentencepiece
 
         shutil.copyfile(files["tokenizer_model"], out / "tokenizer.model")
         sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-        specials = {f"{name}_token": sp.id_to_piece(i) for name, i in
-                    (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id())) if i >= 0}
-        _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-                                                    "split_special_tokens": True, **common})
+        specials = {
+            f"{name}_token": sp.id_to_piece(i)
+            for name, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()))
+            if i >= 0
+        }
+        _write_json(
+            out / "tokenizer_config.json",
+            {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "split_special_tokens": True, **common},
+        )
         transformers = require_transformers("exporting a SentencePiece tokenizer")
         try:  # transformers 5 builds tokenizer.json from the model's own settings
             built = transformers.AutoTokenizer.from_pretrained(str(out))
             built.backend_tokenizer.save(str(out / "tokenizer.json"))
         except (ValueError, OSError, AttributeError) as error:
-            raise CheckpointError(f"transformers {transformers.__version__} cannot build tokenizer.json from a "
-                                  f"SentencePiece model ({error}); pip install -U 'transformers>=5'") from None
+            raise CheckpointError(
+                f"transformers {transformers.__version__} cannot build tokenizer.json from a "
+                f"SentencePiece model ({error}); pip install -U 'transformers>=5'"
+            ) from None
         render_unknown_as_sentencepiece(out / "tokenizer.json", sp)
         return {"bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None, "eos_token_id": ours.eod}
     if kind == "GPT2BPETokenizer":
         shutil.copyfile(files["vocab_file"], out / "vocab.json")
         shutil.copyfile(files["merge_file"], out / "merges.txt")
-        _write_json(out / "tokenizer_config.json", {
-            "tokenizer_class": "GPT2Tokenizer", "bos_token": GPT2_END, "eos_token": GPT2_END, "unk_token": GPT2_END,
-            "add_prefix_space": False, "errors": "replace", **common})
+        _write_json(
+            out / "tokenizer_config.json",
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": GPT2_END,
+                "eos_token": GPT2_END,
+                "unk_token": GPT2_END,
+                "add_prefix_space": False,
+                "errors": "replace",
+                **common,
+            },
+        )
         return {"bos_token_id": ours.eod, "eos_token_id": ours.eod}
-    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
 
     backend = Backend(models.WordLevel({str(i): i for i in range(ours.vocab_size)}, unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast",
-                                                "eos_token": str(ours.eod), **common})
+    _write_json(
+        out / "tokenizer_config.json",
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": str(ours.eod), **common},
+    )
     return {"bos_token_id": None, "eos_token_id": ours.eod}
 
 
@@ -106,7 +134,11 @@ def null_tokenizer_size(hf_dir: Path) -> int | None:
         return None
     model = json.loads(path.read_text()).get("model") or {}
     vocab = model.get("vocab")
-    if model.get("type") != "WordLevel" or not isinstance(vocab, dict) or vocab != {str(i): i for i in range(len(vocab))}:
+    if (
+        model.get("type") != "WordLevel"
+        or not isinstance(vocab, dict)
+        or vocab != {str(i): i for i in range(len(vocab))}
+    ):
         return None
     return len(vocab)
 
@@ -126,15 +158,19 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
             dest.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(hf_dir / "tokenizer.model", dest / "tokenizer.model")
             model = str((dest / "tokenizer.model").resolve())
-            imported = (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model],
-                        SentencePieceTokenizer(model))
+            imported = (
+                ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model],
+                SentencePieceTokenizer(model),
+            )
         elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
             dest.mkdir(parents=True, exist_ok=True)
             for name in ("vocab.json", "merges.txt"):
                 shutil.copyfile(hf_dir / name, dest / name)
             vocab, merges = str((dest / "vocab.json").resolve()), str((dest / "merges.txt").resolve())
-            imported = (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
-                        GPT2BPETokenizer(vocab, merges))
+            imported = (
+                ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
+                GPT2BPETokenizer(vocab, merges),
+            )
         elif (ids := null_tokenizer_size(hf_dir)) is not None:
             imported = (["--tokenizer-type", "NullTokenizer", "--vocab-size", str(ids)], NullTokenizer(ids))
     except DataError as error:
@@ -142,9 +178,11 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
     if imported is None:
         problem = problem or "it has no tokenizer.model (SentencePiece) nor vocab.json and merges.txt (GPT-2 BPE)"
         return ImportedTokenizer(
-            ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model_vocab)], NullTokenizer(model_vocab),
+            ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model_vocab)],
+            NullTokenizer(model_vocab),
             f"{hf_dir}: {problem}, so the checkpoint has a NullTokenizer over the model's {model_vocab} ids "
-            f"(end of document {model_vocab - 1}): train it on data tokenized elsewhere, ids written as text")
+            f"(end of document {model_vocab - 1}): train it on data tokenized elsewhere, ids written as text",
+        )
     flags, tokenizer = imported
     note = None
     if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
@@ -154,9 +192,13 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
         except Exception as error:  # a tokenizer transformers cannot load is not ours to judge
             difference, rendering = f"transformers could not load it to compare ({type(error).__name__}: {error})", None
         if difference:
-            note = (f"{hf_dir}'s Hugging Face tokenizer and ours from the same files differ: {difference}; data "
-                    "tokenized by this toolkit follows ours")
+            note = (
+                f"{hf_dir}'s Hugging Face tokenizer and ours from the same files differ: {difference}; data "
+                "tokenized by this toolkit follows ours"
+            )
         elif rendering:
-            note = (f"{hf_dir}'s Hugging Face tokenizer and ours from the same files give the same ids and text on the "
-                    f"probe texts but for the unknown piece, which it renders as {rendering}")
+            note = (
+                f"{hf_dir}'s Hugging Face tokenizer and ours from the same files give the same ids and text on the "
+                f"probe texts but for the unknown piece, which it renders as {rendering}"
+            )
     return ImportedTokenizer(flags, tokenizer, note)

@@ -31,8 +31,9 @@ def choice_counts(chosen_N: torch.Tensor, num_experts: int, group: dist.ProcessG
     return counts_E
 
 
-def load_balancing_loss(gates_SE: torch.Tensor, chosen_N: torch.Tensor, num_chosen_per_token: int,
-                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def load_balancing_loss(
+    gates_SE: torch.Tensor, chosen_N: torch.Tensor, num_chosen_per_token: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """E * sum_e(mean gate of e * fraction of choices that are e), divided by the choices per token."""
     num_tokens, num_experts = gates_SE.shape
     total_tokens = num_tokens * (dist.get_world_size(group) if is_parallel(group) else 1)
@@ -50,22 +51,26 @@ def loss_scores(logits_SE: torch.Tensor, score_function: str) -> torch.Tensor:
     return scores_SE / (scores_SE.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def sequence_loss(scores_SE: torch.Tensor, k: int, num_sequences: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def sequence_loss(
+    scores_SE: torch.Tensor, k: int, num_sequences: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The auxiliary loss of each sequence on its own (its tokens' top-k choices and mean
     probabilities), averaged over the sequences: Megatron-Core's sequence_load_balancing_loss_func."""
     num_tokens, num_experts = scores_SE.shape
     scores_BLE = scores_SE.view(num_sequences, num_tokens // num_sequences, num_experts)
     chosen_BN = scores_BLE.topk(k, dim=-1).indices.flatten(1)
     counts_BE = torch.zeros(num_sequences, num_experts, device=scores_SE.device).scatter_add_(
-        1, chosen_BN, torch.ones_like(chosen_BN, dtype=torch.float32))
+        1, chosen_BN, torch.ones_like(chosen_BN, dtype=torch.float32)
+    )
     all_reduce(counts_BE, group)
     mean_BE = token_mean(scores_BLE, 1, group)  # over each sequence's positions on every rank
     fraction_BE = counts_BE / (scores_BLE.shape[1] * (dist.get_world_size(group) if is_parallel(group) else 1))
     return (num_experts / k * fraction_BE * mean_BE).sum(dim=1).mean()
 
 
-def balancing_loss(logits_SE: torch.Tensor, config: MoEConfig, num_sequences: int,
-                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def balancing_loss(
+    logits_SE: torch.Tensor, config: MoEConfig, num_sequences: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The unweighted loss of `config.router_load_balancing_type`, counting each token's top-k of the
     unbiased scores over all experts as Megatron-Core does (DeepSpeed's aux_loss is topk_gating's own)."""
     if config.router_load_balancing_type == "none":

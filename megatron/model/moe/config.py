@@ -41,9 +41,14 @@ class MoEConfig:
     @property
     def megatron_core_routing(self) -> bool:
         """Megatron-Core's top-k routing rather than DeepSpeed's gating rules."""
-        return (self.router_score_function is not None or self.router_pre_softmax or self.router_enable_expert_bias
-                or self.router_topk_scaling_factor is not None or self.router_num_groups is not None
-                or self.router_group_topk is not None)
+        return (
+            self.router_score_function is not None
+            or self.router_pre_softmax
+            or self.router_enable_expert_bias
+            or self.router_topk_scaling_factor is not None
+            or self.router_num_groups is not None
+            or self.router_group_topk is not None
+        )
 
     @property
     def score_function(self) -> str:
@@ -69,7 +74,9 @@ class MoEConfig:
                 f"unknown --moe-noisy-gate-policy {self.noisy_gate_policy!r}; use None, Jitter or RSample"
             )
         if self.noisy_gate_policy == "RSample" and self.topk != 1:
-            raise ConfigError("--moe-noisy-gate-policy RSample applies to top-1 routing only; use Jitter or None with --topk > 1")
+            raise ConfigError(
+                "--moe-noisy-gate-policy RSample applies to top-1 routing only; use Jitter or None with --topk > 1"
+            )
         if self.drop_policy not in DROP_POLICIES:
             raise ConfigError(f"unknown MoE drop_policy {self.drop_policy!r}; use probs or position")
         if self.drop_policy != "probs" and self.topk < 3 and not self.megatron_core_routing:
@@ -84,39 +91,59 @@ class MoEConfig:
     def _check_router_options(self) -> None:
         """Megatron-Core's rules for its routing options, plus the DeepSpeed options it has no use for."""
         if self.router_score_function not in (None, *SCORE_FUNCTIONS):
-            raise ConfigError(f"unknown --moe-router-score-function {self.router_score_function!r}; use softmax or sigmoid")
+            raise ConfigError(
+                f"unknown --moe-router-score-function {self.router_score_function!r}; use softmax or sigmoid"
+            )
         if self.router_load_balancing_type not in LOAD_BALANCING_TYPES:
-            raise ConfigError(f"unknown --moe-router-load-balancing-type {self.router_load_balancing_type!r}; "
-                              "use aux_loss, seq_aux_loss or none")
+            raise ConfigError(
+                f"unknown --moe-router-load-balancing-type {self.router_load_balancing_type!r}; "
+                "use aux_loss, seq_aux_loss or none"
+            )
         sigmoid = self.score_function == "sigmoid"
         if self.router_pre_softmax and sigmoid:
-            raise ConfigError("--moe-router-pre-softmax applies to softmax scores; drop it with "
-                              "--moe-router-score-function sigmoid, whose scores are always taken before the top-k")
+            raise ConfigError(
+                "--moe-router-pre-softmax applies to softmax scores; drop it with "
+                "--moe-router-score-function sigmoid, whose scores are always taken before the top-k"
+            )
         if not self.router_norm_topk_prob and not sigmoid:
-            raise ConfigError("--disable-moe-router-norm-topk-prob applies to --moe-router-score-function sigmoid; "
-                              "softmax top-k probabilities stay unnormalised with --moe-router-pre-softmax instead")
+            raise ConfigError(
+                "--disable-moe-router-norm-topk-prob applies to --moe-router-score-function sigmoid; "
+                "softmax top-k probabilities stay unnormalised with --moe-router-pre-softmax instead"
+            )
         if self.router_enable_expert_bias and not sigmoid:
-            raise ConfigError("--moe-router-enable-expert-bias needs sigmoid scores, as in Megatron-Core; "
-                              "add --moe-router-score-function sigmoid")
+            raise ConfigError(
+                "--moe-router-enable-expert-bias needs sigmoid scores, as in Megatron-Core; "
+                "add --moe-router-score-function sigmoid"
+            )
         if self.router_group_topk is not None and self.router_num_groups is None:
             raise ConfigError("--moe-router-group-topk picks groups of experts; add --moe-router-num-groups")
         if self.router_num_groups is not None and self.router_group_topk is None:
-            raise ConfigError("--moe-router-num-groups takes effect only with --moe-router-group-topk (the groups "
-                              "each token may use); add it, or drop --moe-router-num-groups")
+            raise ConfigError(
+                "--moe-router-num-groups takes effect only with --moe-router-group-topk (the groups "
+                "each token may use); add it, or drop --moe-router-num-groups"
+            )
         if self.router_group_topk is not None and self.router_group_topk > self.router_num_groups:
-            raise ConfigError(f"--moe-router-group-topk {self.router_group_topk} exceeds --moe-router-num-groups "
-                              f"{self.router_num_groups}; pick at most that many groups")
+            raise ConfigError(
+                f"--moe-router-group-topk {self.router_group_topk} exceeds --moe-router-num-groups "
+                f"{self.router_num_groups}; pick at most that many groups"
+            )
         if self.router_group_topk is not None and self.topk % self.router_group_topk:
-            raise ConfigError(f"--topk {self.topk} is not a multiple of --moe-router-group-topk {self.router_group_topk}; "
-                              "each chosen group must supply the same number of experts, so choose a divisor of --topk")
+            raise ConfigError(
+                f"--topk {self.topk} is not a multiple of --moe-router-group-topk {self.router_group_topk}; "
+                "each chosen group must supply the same number of experts, so choose a divisor of --topk"
+            )
         if not self.megatron_core_routing:
             return
         if self.topk == 1 and not sigmoid and not self.router_pre_softmax:
-            raise ConfigError("top-1 softmax routing over the chosen logit alone gives every gate 1 and the router no "
-                              "gradient; add --moe-router-pre-softmax, as Megatron-Core asks")
+            raise ConfigError(
+                "top-1 softmax routing over the chosen logit alone gives every gate 1 and the router no "
+                "gradient; add --moe-router-pre-softmax, as Megatron-Core asks"
+            )
         if self.noisy_gate_policy == "RSample":
-            raise ConfigError("--moe-noisy-gate-policy RSample is DeepSpeed's top-1 gate noise, which the "
-                              "--moe-router-* routing does not have; use Jitter or None")
+            raise ConfigError(
+                "--moe-noisy-gate-policy RSample is DeepSpeed's top-1 gate noise, which the "
+                "--moe-router-* routing does not have; use Jitter or None"
+            )
 
     def check_experts(self, num_experts: int) -> None:
         """The group-limited routing rules that depend on a layer's expert count."""
@@ -124,9 +151,13 @@ class MoEConfig:
         if groups is None or self.router_group_topk is None:
             return
         if num_experts % groups:
-            raise ConfigError(f"--moe-router-num-groups {groups} does not divide a layer's {num_experts} experts; "
-                              "choose a number of groups that divides every layer's expert count")
+            raise ConfigError(
+                f"--moe-router-num-groups {groups} does not divide a layer's {num_experts} experts; "
+                "choose a number of groups that divides every layer's expert count"
+            )
         per_group = self.topk // self.router_group_topk
         if per_group > num_experts // groups:
-            raise ConfigError(f"--topk {self.topk} over --moe-router-group-topk {self.router_group_topk} groups takes "
-                              f"{per_group} experts from a group of {num_experts // groups}; use fewer, larger groups")
+            raise ConfigError(
+                f"--topk {self.topk} over --moe-router-group-topk {self.router_group_topk} groups takes "
+                f"{per_group} experts from a group of {num_experts // groups}; use fewer, larger groups"
+            )

@@ -24,7 +24,9 @@ class _AllToAll(torch.autograd.Function):
     """Uneven all_to_all_single whose backward sends the gradients back along the same routes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.splits, ctx.group = (in_splits, out_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -38,7 +40,9 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def exchange_rows(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Rows `in_splits[r]` of x to rank r, `out_splits[r]` rows from it, concatenated in rank order;
     the backward sends the gradients back the same way."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
@@ -117,7 +121,7 @@ def return_from_expert_ranks(y_RH: torch.Tensor, routes: Routes, group: dist.Pro
 
 
 def _rows_of(values: list[int], width: int) -> list[list[int]]:
-    return [values[i:i + width] for i in range(0, len(values), width)]
+    return [values[i : i + width] for i in range(0, len(values), width)]
 
 
 def transpose_blocks(x_RH: torch.Tensor, sizes_AB: list[list[int]]) -> torch.Tensor:

@@ -30,8 +30,9 @@ class GroupRows:
     rank: int
 
 
-def gather_rows(x_RH: torch.Tensor, counts_El: torch.Tensor, group: dist.ProcessGroup
-                ) -> tuple[torch.Tensor, torch.Tensor, GroupRows]:
+def gather_rows(
+    x_RH: torch.Tensor, counts_El: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, GroupRows]:
     """Every rank's rows for the local experts [Q, H], grouped by expert, the rows per expert [E_l],
     and their layout."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -31,18 +31,27 @@ class GroupedExperts(nn.Module):
     the whole group (expert_tensor_parallel.py)."""
 
     def __init__(
-        self, num_experts: int, global_ids: list[int], hidden_size: int, ffn_hidden_size: int,
-        init_std: float, output_init_std: float, swiglu: bool = False, bias: bool = True,
+        self,
+        num_experts: int,
+        global_ids: list[int],
+        hidden_size: int,
+        ffn_hidden_size: int,
+        init_std: float,
+        output_init_std: float,
+        swiglu: bool = False,
+        bias: bool = True,
         tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         local = len(global_ids)
         self.swiglu = swiglu
-        tp_rank, tp_size = tp_rank_and_size(tp_group)
+        _, tp_size = tp_rank_and_size(tp_group)
         self.tp_group = tp_group if tp_size > 1 else None
         if ffn_hidden_size % tp_size:
-            raise ConfigError(f"the experts' hidden size {ffn_hidden_size} (--moe-ffn-hidden-size, or --ffn-hidden-size) "
-                              f"is not divisible by --expert-tensor-parallel-size {tp_size}; choose sizes that divide it")
+            raise ConfigError(
+                f"the experts' hidden size {ffn_hidden_size} (--moe-ffn-hidden-size, or --ffn-hidden-size) "
+                f"is not divisible by --expert-tensor-parallel-size {tp_size}; choose sizes that divide it"
+            )
         # SwiGLU's gate and up halves are each split, so that every rank holds matching features of both
         parts = (ffn_hidden_size, ffn_hidden_size) if swiglu else None
         width = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
@@ -61,8 +70,9 @@ class GroupedExperts(nn.Module):
         self.grad_buffers = GradientBuffers()
 
     @torch.no_grad()
-    def _init_by_global_id(self, num_experts: int, global_ids: list[int], std: float, output_std: float,
-                           parts: tuple[int, int] | None) -> None:
+    def _init_by_global_id(
+        self, num_experts: int, global_ids: list[int], std: float, output_std: float, parts: tuple[int, int] | None
+    ) -> None:
         """Draw every expert of the layer whole in global order and keep this rank's (slices): the
         same seed gives the same experts, and leaves the RNG in the same state, whatever the
         expert-parallel and expert-tensor-parallel sizes."""
@@ -88,15 +98,24 @@ class GroupedExperts(nn.Module):
             return y_NH
         return y_NH + self.b2.to(y_NH.dtype).repeat_interleave(counts_El, dim=0, output_size=len(y_NH))
 
-    def _mlp(self, x_XH: torch.Tensor, counts_El: torch.Tensor, token_N: torch.Tensor | None,
-             b2: torch.Tensor | None) -> torch.Tensor:
+    def _mlp(
+        self, x_XH: torch.Tensor, counts_El: torch.Tensor, token_N: torch.Tensor | None, b2: torch.Tensor | None
+    ) -> torch.Tensor:
         w1, b1, w2 = self.w1, self.b1, self.w2
         if torch.is_autocast_enabled(x_XH.device.type):  # grouped GEMMs are not on autocast's list
             dtype = torch.get_autocast_dtype(x_XH.device.type)
             x_XH, w1, b1, w2, b2 = (None if t is None else t.to(dtype) for t in (x_XH, w1, b1, w2, b2))
         if x_XH.device.type == "cpu":
             return _LoopedExpertMLP.apply(
-                x_XH, token_N, w1, b1, w2, b2, counts_El.tolist(), self.grad_buffers, self.swiglu,
+                x_XH,
+                token_N,
+                w1,
+                b1,
+                w2,
+                b2,
+                counts_El.tolist(),
+                self.grad_buffers,
+                self.swiglu,
             )
         x_NH = x_XH if token_N is None else x_XH.index_select(0, token_N)
         hidden_NF = activation(grouped_linear(x_NH, w1, b1, counts_El), self.swiglu)
@@ -154,8 +173,15 @@ class _LoopedExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x_XH: torch.Tensor, token_N: torch.Tensor | None, w1_EHW: torch.Tensor, b1_EW: torch.Tensor | None,
-        w2_EFH: torch.Tensor, b2_EH: torch.Tensor | None, counts: list[int], grad_buffers: "GradientBuffers",
+        ctx,
+        x_XH: torch.Tensor,
+        token_N: torch.Tensor | None,
+        w1_EHW: torch.Tensor,
+        b1_EW: torch.Tensor | None,
+        w2_EFH: torch.Tensor,
+        b2_EH: torch.Tensor | None,
+        counts: list[int],
+        grad_buffers: "GradientBuffers",
         swiglu: bool,
     ) -> torch.Tensor:
         spans = expert_spans(counts)
@@ -167,7 +193,7 @@ class _LoopedExpertMLP(torch.autograd.Function):
                     h_pW.append(x_XH.new_empty(0))
                     continue
                 h_pW.append(linear(expert_rows(x_XH, token_N, s, p), w1_EHW[e].t(), expert_bias(b1_EW, e)))
-                y_NH[s:s + n] = linear(activation(h_pW[-1], swiglu), w2_EFH[e].t(), expert_bias(b2_EH, e))[:n]
+                y_NH[s : s + n] = linear(activation(h_pW[-1], swiglu), w2_EFH[e].t(), expert_bias(b2_EH, e))[:n]
         ctx.save_for_backward(x_XH, token_N, w1_EHW, w2_EFH)
         # intermediates, held by ctx itself so that the backward can free each expert's as it goes
         ctx.h_pW, ctx.spans, ctx.grad_buffers, ctx.swiglu = h_pW, spans, grad_buffers, swiglu
@@ -178,8 +204,10 @@ class _LoopedExpertMLP(torch.autograd.Function):
         x_XH, token_N, w1_EHW, w2_EFH = ctx.saved_tensors
         h_pW, ctx.h_pW = ctx.h_pW, None
         if h_pW is None:
-            raise RuntimeError("the experts' backward ran twice through one forward; it frees the experts' "
-                               "activations as it goes, so run the forward again instead of retain_graph=True")
+            raise RuntimeError(
+                "the experts' backward ran twice through one forward; it frees the experts' "
+                "activations as it goes, so run the forward again instead of retain_graph=True"
+            )
         grad_NH = grad_NH.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:  # gathered rows add their gradients into their tokens
@@ -212,9 +240,9 @@ class _LoopedExpertMLP(torch.autograd.Function):
                     continue
                 grad_nH = linear(grad_pW, w1_EHW[e], None)[:n]
                 if token_N is None:
-                    grad_x[s:s + n] = grad_nH
+                    grad_x[s : s + n] = grad_nH
                 else:
-                    grad_x.index_add_(0, token_N[s:s + n], grad_nH)
+                    grad_x.index_add_(0, token_N[s : s + n], grad_nH)
         return grad_x, None, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
 
 
@@ -239,8 +267,14 @@ class GradientBuffers:
     def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised tensor shaped as `like`, on a buffer nothing else uses."""
         buffer, idle_uses = self._cache.get(name, (None, 0))
-        reusable = (buffer is not None and buffer.shape == like.shape and buffer.dtype == like.dtype
-                    and buffer.device == like.device and idle_uses >= 0 and storage_uses(buffer) == idle_uses)
+        reusable = (
+            buffer is not None
+            and buffer.shape == like.shape
+            and buffer.dtype == like.dtype
+            and buffer.device == like.device
+            and idle_uses >= 0
+            and storage_uses(buffer) == idle_uses
+        )
         if not reusable:
             buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
             self._cache[name] = (buffer, storage_uses(buffer))
@@ -264,7 +298,7 @@ def expert_rows(x_XH: torch.Tensor, token_N: torch.Tensor | None, start: int, ro
 
 def row_block(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     """t[start:start + rows], padded with zeros past t's end."""
-    block = t[start:start + rows]
+    block = t[start : start + rows]
     return block if len(block) == rows else F.pad(block, (0, 0) * (t.dim() - 1) + (0, rows - len(block)))
 
 

@@ -54,7 +54,10 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, k: int, m: int) -> boo
 
 
 def grouped_linear(
-    x_NK: torch.Tensor, w_GKM: torch.Tensor, b_GM: torch.Tensor | None, counts_G: torch.Tensor,
+    x_NK: torch.Tensor,
+    w_GKM: torch.Tensor,
+    b_GM: torch.Tensor | None,
+    counts_G: torch.Tensor,
 ) -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ w[g] + b[g] (no bias where b is None); rows must be sorted by group."""
     if grouped_mm_runs(x_NK.device.type, x_NK.dtype, w_GKM.shape[1], w_GKM.shape[2]):

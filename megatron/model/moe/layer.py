@@ -20,7 +20,12 @@ from megatron.errors import ConfigError
 from megatron.model.moe.balancing import token_mean
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.dispatch import (
-    combine, exchange_counts, return_from_expert_ranks, route_by_expert, send_to_expert_ranks, sort_by_expert,
+    combine,
+    exchange_counts,
+    return_from_expert_ranks,
+    route_by_expert,
+    send_to_expert_ranks,
+    sort_by_expert,
 )
 from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.router import Router
@@ -61,8 +66,15 @@ class MoELayer(nn.Module):
         self.ep_group = ep_group if ep_size > 1 else None
         self.router = Router(hidden_size, num_experts, config)
         self.experts = GroupedExperts(
-            num_experts, list(range(ep_rank * local, (ep_rank + 1) * local)),
-            hidden_size, ffn_hidden_size, init_std, output_init_std, swiglu=swiglu, bias=bias, tp_group=expert_tp_group,
+            num_experts,
+            list(range(ep_rank * local, (ep_rank + 1) * local)),
+            hidden_size,
+            ffn_hidden_size,
+            init_std,
+            output_init_std,
+            swiglu=swiglu,
+            bias=bias,
+            tp_group=expert_tp_group,
         )
         self.residual_mlp = residual_mlp
         self.shared_expert = shared_expert
@@ -76,8 +88,9 @@ class MoELayer(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the output [B, S, H] and this layer's weighted router loss (aux + z-loss)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        gating, logits_TE = self.router(x_TH, self.ep_group, num_sequences=x_BSH.shape[0],
-                                        sequence_group=self.sequence_group)
+        gating, logits_TE = self.router(
+            x_TH, self.ep_group, num_sequences=x_BSH.shape[0], sequence_group=self.sequence_group
+        )
         # with experts on other ranks, their row counts travel while the rows are sorted
         counts = exchange_counts(gating, self.num_experts, self.ep_group) if self.ep_group is not None else None
         if counts is None:  # the experts gather their rows themselves, a block at a time
@@ -95,7 +108,9 @@ class MoELayer(nn.Module):
             out_TH = out_TH + self.shared_expert(x_TH)
         loss = self.config.aux_loss_coeff * gating.l_aux
         if self.config.z_loss_coeff > 0:
-            loss = loss + self.config.z_loss_coeff * token_mean(torch.logsumexp(logits_TE, dim=-1).square(), 0, self.sequence_group)
+            loss = loss + self.config.z_loss_coeff * token_mean(
+                torch.logsumexp(logits_TE, dim=-1).square(), 0, self.sequence_group
+            )
         self._record(gating, logits_TE)
         return out_TH.view_as(x_BSH).to(x_BSH.dtype), loss
 

@@ -11,7 +11,6 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -62,8 +61,9 @@ def slots_of_kept(expert_N: torch.Tensor, keep_N: torch.Tensor, num_experts: int
     return slots
 
 
-def within_capacity(expert_N: torch.Tensor, priority_N: torch.Tensor, num_experts: int, cap: int | None,
-                    drop_policy: str) -> torch.Tensor:
+def within_capacity(
+    expert_N: torch.Tensor, priority_N: torch.Tensor, num_experts: int, cap: int | None, drop_policy: str
+) -> torch.Tensor:
     """Which choices (token-major) the experts keep: all without a capacity, else per expert the
     `cap` of highest priority ("probs") or the first `cap` in token order ("position")."""
     if cap is None:
@@ -117,9 +117,13 @@ def topk_gating(
             priority = torch.rand(num_tokens, device=logits.device) if use_rts else -token_S.float()
             keep_S = keep_highest(expert_S, priority, num_experts, cap)
         gate_S = gates_SE[token_S, expert_S] * keep_S  # a kept token's gate is not renormalised
-        return Gating(l_aux, expert_S[:, None], gate_S[:, None],
-                      slots_of_kept(expert_S, keep_S, num_experts)[:, None],
-                      torch.bincount(expert_S, minlength=num_experts))
+        return Gating(
+            l_aux,
+            expert_S[:, None],
+            gate_S[:, None],
+            slots_of_kept(expert_S, keep_S, num_experts)[:, None],
+            torch.bincount(expert_S, minlength=num_experts),
+        )
     if k == 2:
         first_S = gates_SE.argmax(dim=1)
         second_logits = logits_SE + gumbel_like(logits_SE) if sample_second_expert else logits_SE
@@ -127,38 +131,63 @@ def topk_gating(
         l_aux = load_balancing_loss(gates_SE, first_S, 1, sequence_group)
         first_counts_E = torch.bincount(first_S, minlength=num_experts)
         # every first choice takes its slot before any second choice, each in token order
-        slots_S2 = torch.stack([
-            rank_within_group(first_S, num_experts),
-            rank_within_group(second_S, num_experts) + first_counts_E[second_S],
-        ], dim=1)
+        slots_S2 = torch.stack(
+            [
+                rank_within_group(first_S, num_experts),
+                rank_within_group(second_S, num_experts) + first_counts_E[second_S],
+            ],
+            dim=1,
+        )
         expert_S2 = torch.stack([first_S, second_S], dim=1)
         keep_S2 = slots_S2 < cap if drop_tokens else torch.ones_like(slots_S2, dtype=torch.bool)
         gate_S2 = gates_SE.gather(1, expert_S2) * keep_S2
         gate_S2 = gate_S2 / gate_S2.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
-        return Gating(l_aux, expert_S2, gate_S2, torch.where(keep_S2, slots_S2, -1),
-                      torch.bincount(expert_S2.flatten(), minlength=num_experts))
+        return Gating(
+            l_aux,
+            expert_S2,
+            gate_S2,
+            torch.where(keep_S2, slots_S2, -1),
+            torch.bincount(expert_S2.flatten(), minlength=num_experts),
+        )
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"unknown drop_policy {drop_policy!r}; use probs or position")
     probs_SK, expert_SK = torch.topk(gates_SE, k, dim=1)
     l_aux = load_balancing_loss(gates_SE, expert_SK.flatten(), k, sequence_group)
-    keep_N = within_capacity(expert_SK.flatten(), probs_SK.flatten(), num_experts, cap if drop_tokens else None, drop_policy)
+    keep_N = within_capacity(
+        expert_SK.flatten(), probs_SK.flatten(), num_experts, cap if drop_tokens else None, drop_policy
+    )
     gate_SK = probs_SK * keep_N.view(num_tokens, k)
     gate_SK = gate_SK / gate_SK.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
-    return Gating(l_aux, expert_SK, gate_SK, slots_of_kept(expert_SK.flatten(), keep_N, num_experts).view(num_tokens, k),
-                  torch.bincount(expert_SK.flatten(), minlength=num_experts))
+    return Gating(
+        l_aux,
+        expert_SK,
+        gate_SK,
+        slots_of_kept(expert_SK.flatten(), keep_N, num_experts).view(num_tokens, k),
+        torch.bincount(expert_SK.flatten(), minlength=num_experts),
+    )
 
 
-def capacity_gating(expert_SK: torch.Tensor, gates_SK: torch.Tensor, num_experts: int, cap: int | None,
-                    drop_policy: str, l_aux: torch.Tensor) -> Gating:
+def capacity_gating(
+    expert_SK: torch.Tensor,
+    gates_SK: torch.Tensor,
+    num_experts: int,
+    cap: int | None,
+    drop_policy: str,
+    l_aux: torch.Tensor,
+) -> Gating:
     """Megatron-Core's capacity, applied after the choice: an over-full expert keeps the choices of
     highest gate ("probs") or of the earliest tokens ("position"); the others' gates become 0 and the
     kept gates are not renormalised. `cap` None: dropless."""
     num_tokens, k = expert_SK.shape
     expert_N = expert_SK.flatten()
     keep_N = within_capacity(expert_N, gates_SK.flatten(), num_experts, cap, drop_policy)
-    return Gating(l_aux, expert_SK, gates_SK * keep_N.view(num_tokens, k),
-                  slots_of_kept(expert_N, keep_N, num_experts).view(num_tokens, k),
-                  torch.bincount(expert_N, minlength=num_experts))
+    return Gating(
+        l_aux,
+        expert_SK,
+        gates_SK * keep_N.view(num_tokens, k),
+        slots_of_kept(expert_N, keep_N, num_experts).view(num_tokens, k),
+        torch.bincount(expert_N, minlength=num_experts),
+    )
 
 
 class Router(nn.Module):
@@ -180,11 +209,17 @@ class Router(nn.Module):
         self.config = config
         biased = config.router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(num_experts) if biased else None)
-        self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.long) if biased else None,
-                             persistent=False)
+        self.register_buffer(
+            "local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.long) if biased else None, persistent=False
+        )
 
-    def forward(self, x_SH: torch.Tensor, ep_group: dist.ProcessGroup | None = None,
-                num_sequences: int = 1, sequence_group: dist.ProcessGroup | None = None) -> tuple[Gating, torch.Tensor]:
+    def forward(
+        self,
+        x_SH: torch.Tensor,
+        ep_group: dist.ProcessGroup | None = None,
+        num_sequences: int = 1,
+        sequence_group: dist.ProcessGroup | None = None,
+    ) -> tuple[Gating, torch.Tensor]:
         """Returns the gating and the router logits [S, E] (fp32). The S tokens are `num_sequences`
         sequences one after the other (for seq_aux_loss), or under sequence parallelism this rank's
         share of each, the rest on the other ranks of `sequence_group`."""
@@ -199,16 +234,28 @@ class Router(nn.Module):
             self.local_tokens_per_expert += gating.tokens_per_expert
         return gating, logits_SE
 
-    def _route(self, logits_SE: torch.Tensor, ep_group: dist.ProcessGroup | None, num_sequences: int,
-               sequence_group: dist.ProcessGroup | None) -> Gating:
+    def _route(
+        self,
+        logits_SE: torch.Tensor,
+        ep_group: dist.ProcessGroup | None,
+        num_sequences: int,
+        sequence_group: dist.ProcessGroup | None,
+    ) -> Gating:
         c = self.config
         capacity_factor = c.train_capacity_factor if self.training else c.eval_capacity_factor
         if not c.megatron_core_routing:
             gating = topk_gating(
-                logits_SE, c.topk, capacity_factor, c.min_capacity, drop_tokens=c.drop_tokens,
-                use_rts=c.use_rts and self.training, noisy_gate_policy=c.noisy_gate_policy if self.training else None,
-                sample_second_expert=c.sample_second_expert and self.training, ep_group=ep_group,
-                drop_policy=c.drop_policy, sequence_group=sequence_group,
+                logits_SE,
+                c.topk,
+                capacity_factor,
+                c.min_capacity,
+                drop_tokens=c.drop_tokens,
+                use_rts=c.use_rts and self.training,
+                noisy_gate_policy=c.noisy_gate_policy if self.training else None,
+                sample_second_expert=c.sample_second_expert and self.training,
+                ep_group=ep_group,
+                drop_policy=c.drop_policy,
+                sequence_group=sequence_group,
             )
             if c.router_load_balancing_type == "aux_loss":  # DeepSpeed's own
                 return gating
@@ -216,8 +263,14 @@ class Router(nn.Module):
         gates_SK, expert_SK = score_topk(logits_SE, c, self.expert_bias)
         num_tokens, num_experts = logits_SE.shape
         cap = capacity(num_tokens, num_experts, c.topk, capacity_factor, c.min_capacity) if c.drop_tokens else None
-        return capacity_gating(expert_SK, gates_SK, num_experts, cap, c.drop_policy,
-                               balancing_loss(logits_SE, c, num_sequences, sequence_group))
+        return capacity_gating(
+            expert_SK,
+            gates_SK,
+            num_experts,
+            cap,
+            c.drop_policy,
+            balancing_loss(logits_SE, c, num_sequences, sequence_group),
+        )
 
     def probabilities(self, logits_SE: torch.Tensor) -> torch.Tensor:
         """Each token's probabilities over all experts [S, E] as the balancing losses see them (for the

@@ -29,7 +29,9 @@ import torch
 from megatron.model.moe.config import MoEConfig
 
 
-def group_limited_topk(scores_SE: torch.Tensor, k: int, num_groups: int, group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_limited_topk(
+    scores_SE: torch.Tensor, k: int, num_groups: int, group_topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k among the experts of each token's `group_topk` best groups, a group scored by the
     sum of its best k / group_topk experts (DeepSeek-V2/V3's device- and node-limited routing)."""
     num_tokens, num_experts = scores_SE.shape
@@ -48,7 +50,9 @@ def select_topk(scores_SE: torch.Tensor, config: MoEConfig) -> tuple[torch.Tenso
     return scores_SE.topk(config.topk, dim=-1)
 
 
-def score_topk(logits_SE: torch.Tensor, config: MoEConfig, expert_bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_topk(
+    logits_SE: torch.Tensor, config: MoEConfig, expert_bias_E: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gates [S, K] (fp32) and chosen experts [S, K] of Megatron-Core's `topk_routing_with_score_function`.
 
     softmax: the softmax of the k largest logits (normalised), or with pre-softmax the k largest

@@ -43,29 +43,42 @@ def _extension() -> Any:
 
 def _check_amsgrad(amsgrad: bool) -> None:
     if amsgrad:
-        raise NotImplementedError("CPUAdam does not implement amsgrad; pass amsgrad=False or use "
-                                  "torch.optim.AdamW(amsgrad=True)")
+        raise NotImplementedError(
+            "CPUAdam does not implement amsgrad; pass amsgrad=False or use torch.optim.AdamW(amsgrad=True)"
+        )
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
     """One clear sentence for every tensor the extension could not read as a flat float32 run."""
-    if (tensor.layout == torch.strided and tensor.is_cpu and tensor.dtype == torch.float32
-            and tensor.shape == param.shape and tensor.is_contiguous()):
+    if (
+        tensor.layout == torch.strided
+        and tensor.is_cpu
+        and tensor.dtype == torch.float32
+        and tensor.shape == param.shape
+        and tensor.is_contiguous()
+    ):
         return  # the common case, kept cheap: this runs for four tensors per parameter per step
     shape = tuple(param.shape)
-    subject = f"the parameter of shape {shape}" if name == "parameter" else f"the {name} of the parameter of shape {shape}"
+    subject = (
+        f"the parameter of shape {shape}" if name == "parameter" else f"the {name} of the parameter of shape {shape}"
+    )
     if tensor.layout != torch.strided:
         raise TypeError(f"CPUAdam needs dense tensors, but {subject} is {tensor.layout}")
     if not tensor.is_cpu:
         raise ValueError(f"CPUAdam steps CPU tensors, but {subject} is on {tensor.device}; use torch.optim.AdamW there")
     if tensor.dtype != torch.float32:
-        raise TypeError(f"CPUAdam steps float32 tensors, but {subject} is {tensor.dtype}; "
-                        "keep fp32 master weights on the CPU")
+        raise TypeError(
+            f"CPUAdam steps float32 tensors, but {subject} is {tensor.dtype}; keep fp32 master weights on the CPU"
+        )
     if tensor.shape != param.shape:
-        raise ValueError(f"CPUAdam found {name} of shape {tuple(tensor.shape)} for the parameter of shape {shape}; "
-                         "was the optimizer state loaded for another model?")
-    raise ValueError(f"CPUAdam needs contiguous tensors, but {subject} is not; "
-                     "make the parameter contiguous before building the optimizer")
+        raise ValueError(
+            f"CPUAdam found {name} of shape {tuple(tensor.shape)} for the parameter of shape {shape}; "
+            "was the optimizer state loaded for another model?"
+        )
+    raise ValueError(
+        f"CPUAdam needs contiguous tensors, but {subject} is not; "
+        "make the parameter contiguous before building the optimizer"
+    )
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -73,22 +86,37 @@ class CPUAdam(torch.optim.Optimizer):
     False is Adam with L2 weight decay added to the gradient; bias_correction=False uses lr as
     the step size and no second-moment correction."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
-                 amsgrad: bool = False, adamw_mode: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+    ) -> None:
         _check_amsgrad(amsgrad)
-        if not 0.0 <= lr:
+        if not lr >= 0.0:
             raise ValueError(f"CPUAdam needs lr >= 0, got {lr}")
-        if not 0.0 <= eps:
+        if not eps >= 0.0:
             raise ValueError(f"CPUAdam needs eps >= 0, got {eps}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"CPUAdam needs both betas in [0, 1), got {tuple(betas)}")
-        if not 0.0 <= weight_decay:
+        if not weight_decay >= 0.0:
             raise ValueError(f"CPUAdam needs weight_decay >= 0, got {weight_decay}")
         self._extension = _extension()
         self._one = torch.tensor(1.0)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, adamw_mode=adamw_mode)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            adamw_mode=adamw_mode,
+        )
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -132,13 +160,22 @@ class CPUAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for step, indices in by_step.items():
             self._extension.adam_step(
-                [params[i].data_ptr() for i in indices], [params[i].grad.data_ptr() for i in indices],
+                [params[i].data_ptr() for i in indices],
+                [params[i].grad.data_ptr() for i in indices],
                 [states[i]["exp_avg"].data_ptr() for i in indices],
-                [states[i]["exp_avg_sq"].data_ptr() for i in indices], [params[i].numel() for i in indices],
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), step=step, bias_correction=bool(group["bias_correction"]),
-                adamw_mode=bool(group["adamw_mode"]), num_threads=torch.get_num_threads(),
-                tail_width=_TORCH_SCALAR_TAIL)
+                [states[i]["exp_avg_sq"].data_ptr() for i in indices],
+                [params[i].numel() for i in indices],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                step=step,
+                bias_correction=bool(group["bias_correction"]),
+                adamw_mode=bool(group["adamw_mode"]),
+                num_threads=torch.get_num_threads(),
+                tail_width=_TORCH_SCALAR_TAIL,
+            )
 
     def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
         """The parameter's state, created on its first step, after checking the parameter and gradient."""

@@ -11,17 +11,32 @@ import torch
 
 class Lamb(torch.optim.Optimizer):
     def __init__(
-        self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-        betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-        max_coeff: float = 10.0, min_coeff: float = 0.01,
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
-            raise ValueError(f"Lamb needs lr, eps, weight_decay >= 0 and betas in [0, 1), got lr={lr}, "
-                             f"eps={eps}, weight_decay={weight_decay}, betas={betas}")
+            raise ValueError(
+                f"Lamb needs lr, eps, weight_decay >= 0 and betas in [0, 1), got lr={lr}, "
+                f"eps={eps}, weight_decay={weight_decay}, betas={betas}"
+            )
         if not 0 < min_coeff <= max_coeff:
             raise ValueError(f"Lamb needs 0 < min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ wrote none, which rewrites its swap files every step: its run folder goes only o
 has changed for a day.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -55,8 +56,13 @@ def start_time(pid: int) -> int | None:
 
 def this_process() -> Owner:
     pid = os.getpid()
-    return Owner(socket.gethostname(), Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                 os.readlink("/proc/self/ns/pid"), pid, start_time(pid))
+    return Owner(
+        socket.gethostname(),
+        Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        os.readlink("/proc/self/ns/pid"),
+        pid,
+        start_time(pid),
+    )
 
 
 def read_owner(rank_folder: Path) -> Owner | None:
@@ -121,24 +127,24 @@ def run_name() -> str:
 def remove_folder(path: Path, run_root: Path) -> None:
     """Delete a rank's files, and the run's folder once no rank's folder is left in it."""
     shutil.rmtree(path, ignore_errors=True)
-    try:
+    with contextlib.suppress(OSError):  # another rank's folder is still there, or it is gone already
         run_root.rmdir()
-    except OSError:
-        pass  # another rank's folder is still there, or it is gone already
 
 
 class SwapFolder:
     def __init__(self, nvme_path: str | None, rank: int, key: str) -> None:
         """`key` is the config block that asked for the folder (offload_optimizer, offload_param)."""
         if not nvme_path:
-            raise ConfigError(f"offload to nvme needs zero_optimization.{key}.nvme_path; "
-                              "set it to a folder on a fast local disk")
+            raise ConfigError(
+                f"offload to nvme needs zero_optimization.{key}.nvme_path; set it to a folder on a fast local disk"
+            )
         root = Path(nvme_path)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise ConfigError(f"cannot create the swap folder {root} ({error.strerror}); "
-                              "set nvme_path to a writable folder") from None
+            raise ConfigError(
+                f"cannot create the swap folder {root} ({error.strerror}); set nvme_path to a writable folder"
+            ) from None
         self.root = root
         owner = this_process()
         name = run_name()

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from megatron.errors import ConfigError
 from megatron.config.runtime_schema import AioConfig, OffloadParamConfig
+from megatron.errors import ConfigError
 from megatron.runtime.swap.folder import SwapFolder
 from megatron.runtime.swap.slots import ALIGN, IoSlot, SwapFile, align_down, align_up
 
@@ -92,13 +92,19 @@ class ParamSwapper:
 
     def summary(self) -> str:
         where = self.folder.path if self.folder is not None else "(none needed)"
-        return (f" > offload_param: {self.swapped_numel:,} master elements of rank {self.rank} in swap files under "
-                f"{where}, {self.resident_numel:,} in host memory (max_in_cpu {self.offload.max_in_cpu:,})")
+        return (
+            f" > offload_param: {self.swapped_numel:,} master elements of rank {self.rank} in swap files under "
+            f"{where}, {self.resident_numel:,} in host memory (max_in_cpu {self.offload.max_in_cpu:,})"
+        )
 
 
 class ShardStore:
     def __init__(
-        self, numel: int, device: torch.device, swapper: ParamSwapper | None, pieces: Iterable[tuple[int, int]],
+        self,
+        numel: int,
+        device: torch.device,
+        swapper: ParamSwapper | None,
+        pieces: Iterable[tuple[int, int]],
     ) -> None:
         """A zeroed master of `numel` elements; `pieces` are the [lo, hi) ranges gathers will read."""
         self.numel, self.swapper = numel, swapper
@@ -134,17 +140,17 @@ class ShardStore:
         align_down(lo)), and their byte offset in the file."""
         base = align_down(lo)
         file_lo = max(base, self.resident)
-        return slot.buffer[file_lo - base:align_up(hi) - base], self.byte_offset(file_lo)
+        return slot.buffer[file_lo - base : align_up(hi) - base], self.byte_offset(file_lo)
 
     def start_read(self, lo: int, hi: int, slot: IoSlot) -> torch.Tensor:
         """Start bringing [lo, hi) into `slot`; returns the view that holds them once the slot's
         read has finished."""
         base = align_down(lo)
         if lo < self.resident:
-            slot.buffer[lo - base:self.resident - base] = self.memory[lo:]
+            slot.buffer[lo - base : self.resident - base] = self.memory[lo:]
         blocks, byte_offset = self._file_part(lo, hi, slot)
         slot.start_read(blocks, self.file, byte_offset)
-        return slot.buffer[lo - base:hi - base]
+        return slot.buffer[lo - base : hi - base]
 
     @torch.no_grad()
     def write(self, lo: int, values: torch.Tensor) -> None:
@@ -153,7 +159,7 @@ class ShardStore:
         hi = lo + values.numel()
         split = min(hi, self.resident)
         if lo < split:
-            self.memory[lo:split] = values[:split - lo]
+            self.memory[lo:split] = values[: split - lo]
         if hi <= self.resident:
             return
         slot = self.swapper.claim()

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from megatron.checkpoint.checksum import BLOCK_BYTES, block_sums
+from megatron.config.runtime_schema import AioConfig
 from megatron.errors import UserError
 from megatron.ops.aio import aio_handle
-from megatron.config.runtime_schema import AioConfig
 
 ALIGN = 1024  # elements: 4 KiB of fp32, O_DIRECT's alignment
 
@@ -38,8 +38,10 @@ class SwapError(UserError):
 
 
 def swap_failed(what: str, error: OSError) -> SwapError:
-    return SwapError(f"swapping {what} failed ({error}); training stopped and the last checkpoint is intact; "
-                     "check the swap disk and its free space")
+    return SwapError(
+        f"swapping {what} failed ({error}); training stopped and the last checkpoint is intact; "
+        "check the swap disk and its free space"
+    )
 
 
 def align_down(numel: int) -> int:
@@ -69,13 +71,13 @@ class SwapFile:
         that block covers the same bytes both times."""
         sums = tensor_block_sums(data)
         first = byte_offset // BLOCK_BYTES
-        self.sums[first:first + sums.size] = sums
+        self.sums[first : first + sums.size] = sums
 
     def check(self, data: torch.Tensor, byte_offset: int, what: str) -> None:
         """Raise a SwapError unless `data`, read from `byte_offset`, is what was last written there."""
         sums = tensor_block_sums(data)
         first = byte_offset // BLOCK_BYTES
-        damaged = np.count_nonzero(sums != self.sums[first:first + sums.size])
+        damaged = np.count_nonzero(sums != self.sums[first : first + sums.size])
         if damaged:
             end = byte_offset + data.nbytes
             raise SwapError(

@@ -15,14 +15,15 @@ boundaries fall on multiples of 1024 elements, so the kernel's rounding of each 
 elements happens only where it happens for the whole tensor.
 """
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from megatron.errors import UserError
 from megatron.config.runtime_schema import AioConfig, OffloadOptimizerConfig
+from megatron.errors import UserError
 from megatron.runtime.optim.cpu_adam import _TORCH_SCALAR_TAIL, CPUAdam
 from megatron.runtime.swap.folder import SwapFolder
 from megatron.runtime.swap.param_store import ShardStore
@@ -51,7 +52,12 @@ def buffers_needed(offload: OffloadOptimizerConfig) -> int:
 
 class SwappedAdam(CPUAdam):
     def __init__(
-        self, params: Any, offload: OffloadOptimizerConfig, aio: AioConfig, sub_group_size: int, rank: int,
+        self,
+        params: Any,
+        offload: OffloadOptimizerConfig,
+        aio: AioConfig,
+        sub_group_size: int,
+        rank: int,
         **adam: Any,
     ) -> None:
         super().__init__(params, **adam)
@@ -81,7 +87,7 @@ class SwappedAdam(CPUAdam):
             bounds = self._bounds(param.numel(), store.resident if store is not None else param.numel())
             self.sub_groups[param] = [
                 SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp", 8 * (hi - lo)), store)
-                for number, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
+                for number, (lo, hi) in enumerate(itertools.pairwise(bounds))
             ]
         sub_groups = [g for groups in self.sub_groups.values() for g in groups]
         largest = align_up(max((g.hi - g.lo for g in sub_groups), default=1))
@@ -94,7 +100,7 @@ class SwappedAdam(CPUAdam):
             zeros = self.slots[0].buffer
             zeros.zero_()
             for sub_group in sub_groups:
-                self.slots[0].write(zeros[:2 * (sub_group.hi - sub_group.lo)], sub_group.file)
+                self.slots[0].write(zeros[: 2 * (sub_group.hi - sub_group.lo)], sub_group.file)
                 self.written.add(sub_group.file)
 
     def _bounds(self, numel: int, resident: int) -> list[int]:
@@ -105,17 +111,19 @@ class SwappedAdam(CPUAdam):
 
     def _start_read(self, slot: IoSlot, sub_group: SubGroup) -> None:
         slot.finish_write()  # the buffer may still be on its way out
-        moments = slot.buffer[:2 * (sub_group.hi - sub_group.lo)]
+        moments = slot.buffer[: 2 * (sub_group.hi - sub_group.lo)]
         if sub_group.file in self.written:
             slot.start_read(moments, sub_group.file)
         else:
             moments.zero_()
         if sub_group.swapped:
-            slot.start_read(self._values(slot, sub_group), sub_group.store.file, sub_group.store.byte_offset(sub_group.lo))
+            slot.start_read(
+                self._values(slot, sub_group), sub_group.store.file, sub_group.store.byte_offset(sub_group.lo)
+            )
 
     def _values(self, slot: IoSlot, sub_group: SubGroup) -> torch.Tensor:
         """The buffer's room for a swapped sub-group's parameter values, whole 4 KiB blocks."""
-        return slot.buffer[self.values_at:self.values_at + align_up(sub_group.hi - sub_group.lo)]
+        return slot.buffer[self.values_at : self.values_at + align_up(sub_group.hi - sub_group.lo)]
 
     def _values_address(self, param: torch.Tensor, slot: IoSlot, sub_group: SubGroup) -> int:
         if sub_group.swapped:
@@ -145,15 +153,27 @@ class SwappedAdam(CPUAdam):
             numel = sub_group.hi - sub_group.lo
             element = param.element_size()
             self._extension.adam_step(
-                [self._values_address(param, slot, sub_group)], [param.grad.data_ptr() + sub_group.lo * element],
-                [slot.buffer.data_ptr()], [slot.buffer.data_ptr() + numel * element], [numel],
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), step=step, bias_correction=bool(group["bias_correction"]),
-                adamw_mode=bool(group["adamw_mode"]), num_threads=torch.get_num_threads(), tail_width=_TORCH_SCALAR_TAIL,
+                [self._values_address(param, slot, sub_group)],
+                [param.grad.data_ptr() + sub_group.lo * element],
+                [slot.buffer.data_ptr()],
+                [slot.buffer.data_ptr() + numel * element],
+                [numel],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                step=step,
+                bias_correction=bool(group["bias_correction"]),
+                adamw_mode=bool(group["adamw_mode"]),
+                num_threads=torch.get_num_threads(),
+                tail_width=_TORCH_SCALAR_TAIL,
             )
-            slot.start_write(slot.buffer[:2 * numel], sub_group.file)
+            slot.start_write(slot.buffer[: 2 * numel], sub_group.file)
             if sub_group.swapped:
-                slot.start_write(self._values(slot, sub_group), sub_group.store.file, sub_group.store.byte_offset(sub_group.lo))
+                slot.start_write(
+                    self._values(slot, sub_group), sub_group.store.file, sub_group.store.byte_offset(sub_group.lo)
+                )
             self.written.add(sub_group.file)
             if not self.offload.pipeline_write:
                 slot.finish_write()
@@ -171,10 +191,10 @@ class SwappedAdam(CPUAdam):
             numel = sub_group.hi - sub_group.lo
             slot.finish_write()
             if sub_group.file in self.written:
-                slot.start_read(slot.buffer[:2 * numel], sub_group.file)
+                slot.start_read(slot.buffer[: 2 * numel], sub_group.file)
                 slot.finish_read()
-                exp_avg[sub_group.lo:sub_group.hi] = slot.buffer[:numel]
-                exp_avg_sq[sub_group.lo:sub_group.hi] = slot.buffer[numel:2 * numel]
+                exp_avg[sub_group.lo : sub_group.hi] = slot.buffer[:numel]
+                exp_avg_sq[sub_group.lo : sub_group.hi] = slot.buffer[numel : 2 * numel]
         return {**state, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -189,7 +209,7 @@ class SwappedAdam(CPUAdam):
             for sub_group in groups:
                 numel = sub_group.hi - sub_group.lo
                 slot.finish_write()
-                slot.buffer[:numel] = exp_avg[sub_group.lo:sub_group.hi]
-                slot.buffer[numel:2 * numel] = exp_avg_sq[sub_group.lo:sub_group.hi]
-                slot.write(slot.buffer[:2 * numel], sub_group.file)
+                slot.buffer[:numel] = exp_avg[sub_group.lo : sub_group.hi]
+                slot.buffer[numel : 2 * numel] = exp_avg_sq[sub_group.lo : sub_group.hi]
+                slot.write(slot.buffer[: 2 * numel], sub_group.file)
                 self.written.add(sub_group.file)

@@ -17,29 +17,39 @@ from megatron.checkpoint.tensors import ShardedReader, load_optimizer_state, opt
 from megatron.runtime.zero.layout import PartitionLayout, Unit, parameter_units
 
 
-def partition_state_entries(optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout]) -> dict[str, torch.Tensor]:
+def partition_state_entries(
+    optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout]
+) -> dict[str, torch.Tensor]:
     entries: dict[str, torch.Tensor] = {}
     for part in partitions:
         # an optimizer that keeps state elsewhere (swap files) hands it over whole
-        state = optimizer.full_state(part.shard) if hasattr(optimizer, "full_state") else optimizer.state.get(part.shard, {})
+        state = (
+            optimizer.full_state(part.shard)
+            if hasattr(optimizer, "full_state")
+            else optimizer.state.get(part.shard, {})
+        )
         for key, value in state.items():
             if value.dim() == 0:
                 entries.update({f"{key}/{name}": value.clone() for name in part.names})
                 continue
             for piece in part.pieces():
-                owned = value[piece.shard_start:piece.shard_start + piece.stop - piece.start]
+                owned = value[piece.shard_start : piece.shard_start + piece.stop - piece.start]
                 entries[f"{key}/{piece.name}@{piece.start}:{piece.stop}"] = owned.clone()
     return entries
 
 
 def load_partition_state(
-    optimizer: torch.optim.Optimizer, partitions: list[PartitionLayout], reader: ShardedReader,
+    optimizer: torch.optim.Optimizer,
+    partitions: list[PartitionLayout],
+    reader: ShardedReader,
     saved_groups: list[dict[str, Any]],
 ) -> None:
     state_keys = optimizer_state_keys(reader)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, part in enumerate(partitions):  # the shards' order in the optimizer's groups
-        units = {unit.name: unit for name, param in zip(part.names, part.params) for unit in parameter_units(name, param)}
+        units = {
+            unit.name: unit for name, param in zip(part.names, part.params) for unit in parameter_units(name, param)
+        }
         for key in sorted(state_keys.get(part.names[0], ())):
             state.setdefault(index, {})[key] = _shard_value(reader, part, units, key)
     load_optimizer_state(optimizer, state, saved_groups)
@@ -55,7 +65,7 @@ def _shard_value(reader: ShardedReader, part: PartitionLayout, units: dict[str, 
         if piece.name not in read:
             read[piece.name] = _flat_entry(reader, units[piece.name], key)
         flat = read[piece.name]
-        value[piece.shard_start:piece.shard_start + piece.stop - piece.start] = flat[piece.start:piece.stop]
+        value[piece.shard_start : piece.shard_start + piece.stop - piece.start] = flat[piece.start : piece.stop]
     return value
 
 
@@ -66,5 +76,6 @@ def _flat_entry(reader: ShardedReader, unit: Unit, key: str) -> torch.Tensor:
         return reader.get(f"{key}/{unit.name}").reshape(-1)
     if unit.split is None:
         return reader.get_whole(f"{key}/{unit.whole_name}", unit.shape).reshape(-1)
-    return unit.split.slice_of(reader.get_whole(f"{key}/{unit.whole_name}", unit.split.whole_shape(unit.shape))).reshape(-1)
-
+    return unit.split.slice_of(
+        reader.get_whole(f"{key}/{unit.whole_name}", unit.split.whole_shape(unit.shape))
+    ).reshape(-1)

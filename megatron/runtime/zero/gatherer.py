@@ -38,6 +38,7 @@ from megatron.runtime.zero.residency import BucketEvent, GathererPhase, Residenc
 @dataclass(frozen=True, eq=False)
 class _SavedView:
     """A tensor autograd saved that views a gathered bucket, kept without its memory."""
+
     unit: "_Unit"
     size: torch.Size
     stride: tuple[int, ...]
@@ -47,6 +48,7 @@ class _SavedView:
 @dataclass(eq=False)
 class _Frame:
     """One running module forward: the buckets it read, and those it will free on return."""
+
     used: list["_Unit"] = field(default_factory=list)
     claimed: list["_Unit"] = field(default_factory=list)
 
@@ -81,7 +83,9 @@ class _GatherBeforeBackward(torch.autograd.Function):
     """Identity on a module's outputs; its backward gathers the module's parameters."""
 
     @staticmethod
-    def forward(ctx: Any, gatherer: "ParameterGatherer", units: list[_Unit], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, gatherer: "ParameterGatherer", units: list[_Unit], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.gatherer, ctx.units = gatherer, units
         return tuple(t.detach() for t in tensors)
 
@@ -208,12 +212,14 @@ class ParameterGatherer:
         here = next((p for p in positions if p >= self.cursor), positions[0])
         self.cursor = here + 1
         ledger = self.ledger
-        for upcoming in self.trace[here + 1:]:
+        for upcoming in self.trace[here + 1 :]:
             if ledger.inflight_numel >= self.prefetch_numel:
                 break
             if self.state(upcoming) is not Residency.FREE:
                 continue
-            if ledger.live_numel + upcoming.numel > self.max_live_numel or not upcoming.part.ready_to_gather(upcoming.bucket):
+            if ledger.live_numel + upcoming.numel > self.max_live_numel or not upcoming.part.ready_to_gather(
+                upcoming.bucket
+            ):
                 break
             self._start(upcoming, async_op=True)
 

@@ -25,6 +25,7 @@ class Bucket:
     """Parameters `params` (indices into the partition's list), `numel` elements before padding;
     `chunk` elements per rank. In the full padded layout it starts at `flat_start`; this rank's
     chunk starts at `shard_start` in the shard."""
+
     params: tuple[int, ...]
     numel: int
     chunk: int
@@ -37,6 +38,7 @@ class Piece:
     """The part of one model tensor (or one expert of it) that a shard holds: elements
     [start, stop) of the flattened tensor `name` are shard elements [shard_start, shard_start +
     stop - start)."""
+
     name: str
     start: int
     stop: int
@@ -48,6 +50,7 @@ class Unit:
     """A tensor as a checkpoint names it: a parameter, or one expert of a stacked one; for a
     tensor-parallel slice, `name` is the slice's entry and `whole_name` the tensor's, `split` how
     this rank's `shape` is cut from the whole (its dim counted within the unit)."""
+
     name: str
     whole_name: str
     shape: torch.Size
@@ -59,8 +62,15 @@ def parameter_units(name: str, param: torch.Tensor) -> list[Unit]:
     if ids is None:
         return [Unit(name if split is None else split.entry_name(name), name, param.shape, split)]
     expert_split = None if split is None else replace(split, dim=split.dim - 1)  # without the experts' dim
-    return [Unit(f"{name}[{g}]" if split is None else split.entry_name(f"{name}[{g}]"), f"{name}[{g}]", param.shape[1:],
-                 expert_split) for g in ids]
+    return [
+        Unit(
+            f"{name}[{g}]" if split is None else split.entry_name(f"{name}[{g}]"),
+            f"{name}[{g}]",
+            param.shape[1:],
+            expert_split,
+        )
+        for g in ids
+    ]
 
 
 def buckets_by_size(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -78,12 +88,17 @@ def buckets_by_size(numels: Sequence[int], bucket_numel: int) -> list[list[int]]
 
 class PartitionLayout:
     def __init__(
-        self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup | None,
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        group: dist.ProcessGroup | None,
         bucket_params: list[list[int]],
     ) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"ZeRO needs one dtype per optimizer group and class of parameters, got {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"ZeRO needs one dtype per optimizer group and class of parameters, got {sorted(map(str, dtypes))}"
+            )
         self.params = params
         self.names = names
         self.dtype = params[0].dtype
@@ -124,10 +139,10 @@ class PartitionLayout:
     def bucket_values(self, bucket: Bucket, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """The bucket's padded flat vector from one tensor per parameter (None reads as zeros)."""
         flat = torch.empty(bucket.chunk * self.size, dtype=self.dtype, device=self.device)
-        flat[bucket.numel:] = 0  # the padding
+        flat[bucket.numel :] = 0  # the padding
         for index in bucket.params:
             start = self.param_offsets[index] - bucket.flat_start
-            piece = flat[start:start + self.numels[index]]
+            piece = flat[start : start + self.numels[index]]
             if tensors[index] is None:
                 piece.zero_()
             else:
@@ -136,7 +151,9 @@ class PartitionLayout:
 
     @torch.no_grad()
     def reduce_and_free_gradients(
-        self, bucket: Bucket, async_op: bool,
+        self,
+        bucket: Bucket,
+        async_op: bool,
     ) -> tuple[dist.Work | None, Callable[[], None] | None]:
         """Move the bucket's gradients into one padded vector (freeing them), reduce-scatter it
         and add this rank's chunk to `shard_grad` (partitioned gradients: stages 2 and 3). A
@@ -147,7 +164,7 @@ class PartitionLayout:
                 grad, self.params[index].grad = self.params[index].grad, None
                 if grad is not None:
                     start = self.param_offsets[index] - bucket.flat_start
-                    slot[start:start + self.numels[index]] += grad.reshape(-1)
+                    slot[start : start + self.numels[index]] += grad.reshape(-1)
             return None, None
         full = self.bucket_values(bucket, [p.grad for p in self.params])
         for index in bucket.params:

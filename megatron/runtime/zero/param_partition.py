@@ -33,8 +33,12 @@ class _ReadWork:
 
 class ParamPartition(PartitionLayout):
     def __init__(
-        self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup | None,
-        bucket_params: list[list[int]], swapper: ParamSwapper | None = None,
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        group: dist.ProcessGroup | None,
+        bucket_params: list[list[int]],
+        swapper: ParamSwapper | None = None,
     ) -> None:
         super().__init__(params, names, group, bucket_params)
         spans = [self.chunk_span(bucket) for bucket in self.buckets]
@@ -74,6 +78,7 @@ class ParamPartition(PartitionLayout):
             full, _ = self._all_gather(chunk, async_op=False)
             self.store.swapper.release(slot)
             self._attach(bucket, full)
+
         return _ReadWork(slot), gather_and_attach
 
     def _all_gather(self, chunk: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
@@ -90,7 +95,7 @@ class ParamPartition(PartitionLayout):
         self.gathered[bucket] = values
         for index in bucket.params:
             start = self.param_offsets[index] - bucket.flat_start
-            self.params[index].data = values[start:start + self.numels[index]].view(self.shapes[index])
+            self.params[index].data = values[start : start + self.numels[index]].view(self.shapes[index])
 
     def release_bucket(self, bucket: Bucket) -> None:
         for index in bucket.params:

@@ -20,8 +20,13 @@ Reduction = tuple[dist.Work | None, Callable[[], None] | None]
 
 class FlatPartition(PartitionLayout):
     def __init__(
-        self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup | None,
-        bucket_params: list[list[int]], reduce_scatter: bool = True, partition_gradients: bool = False,
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        group: dist.ProcessGroup | None,
+        bucket_params: list[list[int]],
+        reduce_scatter: bool = True,
+        partition_gradients: bool = False,
     ) -> None:
         super().__init__(params, names, group, bucket_params)
         self.reduce_scatter = reduce_scatter
@@ -39,7 +44,7 @@ class FlatPartition(PartitionLayout):
         self.copy_from_parameters()
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + n].view(s) for o, n, s in zip(self.param_offsets, self.numels, self.shapes)]
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.param_offsets, self.numels, self.shapes)]
 
     @torch.no_grad()
     def _attach_parameters(self, keep_values: bool) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 
+
 class _Queue:
     """The buckets of one process group in launch order, and how far launching has got."""
 
@@ -29,8 +30,12 @@ class _Queue:
 
 class BucketReducer:
     def __init__(
-        self, partitions: list[PartitionLayout], position: dict[nn.Parameter, int], async_op: bool,
-        max_inflight_numel: int, on_ready: Callable[[PartitionLayout, Bucket], None] | None = None,
+        self,
+        partitions: list[PartitionLayout],
+        position: dict[nn.Parameter, int],
+        async_op: bool,
+        max_inflight_numel: int,
+        on_ready: Callable[[PartitionLayout, Bucket], None] | None = None,
     ) -> None:
         """`position` orders parameters as the model lists them; `on_ready` is told of each bucket
         whose gradients are complete, before it is reduced."""
@@ -47,7 +52,9 @@ class BucketReducer:
                 by_group.setdefault(id(part.group), []).append((part, bucket))
                 for index in bucket.params:
                     self.bucket_of[part.params[index]] = (part, bucket)
-        first = {key: min(position[key[0].params[i]] for i in key[1].params) for keys in by_group.values() for key in keys}
+        first = {
+            key: min(position[key[0].params[i]] for i in key[1].params) for keys in by_group.values() for key in keys
+        }
         self.queues = [_Queue(sorted(keys, key=lambda key: -first[key])) for keys in by_group.values()]
         self.queue_of = {id(key[1]): queue for queue in self.queues for key in queue.order}
         self.missing: dict[int, int] = {}
@@ -60,6 +67,7 @@ class BucketReducer:
         def grad_done(param: nn.Parameter) -> None:
             if (alive := reducer()) is not None:
                 alive._grad_done(param)
+
         self.hooks = [p.register_post_accumulate_grad_hook(grad_done) for p in self.bucket_of]
 
     def _reset(self) -> None:

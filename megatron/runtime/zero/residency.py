@@ -100,7 +100,9 @@ class GathererPhase:
         """Move by `event`; True when this event ended the recording of the trace."""
         expected = Phase.FORWARD if event is StepEvent.BACKWARD_STARTED else Phase.BACKWARD
         if self.phase is not expected:
-            raise IllegalTransition(f"the ZeRO-3 gatherer is in {self.phase.value}, so a {event.value} event is out of order")
+            raise IllegalTransition(
+                f"the ZeRO-3 gatherer is in {self.phase.value}, so a {event.value} event is out of order"
+            )
         if event is StepEvent.BACKWARD_STARTED:
             self.phase = Phase.BACKWARD
             return False

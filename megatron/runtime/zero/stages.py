@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.config.runtime_schema import AioConfig, ZeroConfig
 from megatron.checkpoint.tensors import ShardedReader, expert_ids
+from megatron.config.runtime_schema import AioConfig, ZeroConfig
 from megatron.model.tensor_parallel import tensor_parallel_split
-from megatron.runtime.gradient_kinds import COPY, SLICE, WHOLE, gradient_kind
 from megatron.parallel import all_reduce
+from megatron.runtime.gradient_kinds import COPY, SLICE, WHOLE, gradient_kind
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.checkpoint import load_partition_state, partition_state_entries
 from megatron.runtime.zero.gatherer import ParameterGatherer
@@ -47,9 +47,17 @@ def buckets_by_module(params: list[nn.Parameter], owner: dict[nn.Parameter, nn.M
 
 class ZeroRuntime:
     def __init__(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
-        dense_group: dist.ProcessGroup | None, expert_group: dist.ProcessGroup | None,
-        aio: AioConfig, rank: int, tp_rank: int = 0, expert_tp_rank: int = 0, reduce_in_backward: bool = True,
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig,
+        dense_group: dist.ProcessGroup | None,
+        expert_group: dist.ProcessGroup | None,
+        aio: AioConfig,
+        rank: int,
+        tp_rank: int = 0,
+        expert_tp_rank: int = 0,
+        reduce_in_backward: bool = True,
     ) -> None:
         """Partition each optimizer group's dense and expert parameters, and point the optimizer
         at the shards instead. The optimizer object and its groups stay the same (an LR schedule
@@ -62,7 +70,9 @@ class ZeroRuntime:
         self.optimizer = optimizer
         self.dense_group, self.expert_group = dense_group, expert_group
         offload_param = config.offload_param
-        self.swapper = ParamSwapper(offload_param, aio, rank) if self.stage == 3 and offload_param.device == "nvme" else None
+        self.swapper = (
+            ParamSwapper(offload_param, aio, rank) if self.stage == 3 and offload_param.device == "nvme" else None
+        )
         names = {p: n for n, p in module.named_parameters()}
         owner: dict[nn.Parameter, nn.Module] = {}  # a tied parameter belongs to its first module
         for child in module.modules():
@@ -73,17 +83,29 @@ class ZeroRuntime:
         for group in optimizer.param_groups:
             shards = []
             # one partition per class, so that a shard's gradients are all of one kind for the norm
-            for (is_expert, comm), kind in itertools.product(((False, dense_group), (True, expert_group)), (WHOLE, SLICE, COPY)):
-                params = [p for p in group["params"] if (expert_ids(p) is not None) == is_expert and gradient_kind(p) == kind]
+            for (is_expert, comm), kind in itertools.product(
+                ((False, dense_group), (True, expert_group)), (WHOLE, SLICE, COPY)
+            ):
+                params = [
+                    p for p in group["params"] if (expert_ids(p) is not None) == is_expert and gradient_kind(p) == kind
+                ]
                 if not params:
                     continue
                 param_names = [names[p] for p in params]
                 grouped = comm is not None and dist.get_world_size(comm) > 1
                 if self.stage == 3 and (grouped or self.swapper is not None):
-                    part: PartitionLayout = ParamPartition(params, param_names, comm, buckets_by_module(params, owner), self.swapper)
+                    part: PartitionLayout = ParamPartition(
+                        params, param_names, comm, buckets_by_module(params, owner), self.swapper
+                    )
                 else:
-                    part = FlatPartition(params, param_names, comm, buckets_by_size([p.numel() for p in params], config.bucket_numel),
-                                         reduce_scatter=config.reduce_scatter, partition_gradients=self.stage >= 2)
+                    part = FlatPartition(
+                        params,
+                        param_names,
+                        comm,
+                        buckets_by_size([p.numel() for p in params], config.bucket_numel),
+                        reduce_scatter=config.reduce_scatter,
+                        partition_gradients=self.stage >= 2,
+                    )
                 self.partitions.append(part)
                 shards.append(part.shard)
             group["params"] = shards
@@ -94,8 +116,9 @@ class ZeroRuntime:
         overlap = {"async_op": config.overlaps_communication, "max_inflight_numel": config.reduce_bucket_size}
         self.flat_reducer = BucketReducer(flat, position, **overlap) if flat else None
         self.gatherer = ParameterGatherer(module, partitioned, config) if partitioned else None
-        self.param_reducer = BucketReducer(
-            partitioned, position, **overlap, on_ready=self.gatherer.bucket_done) if partitioned else None
+        self.param_reducer = (
+            BucketReducer(partitioned, position, **overlap, on_ready=self.gatherer.bucket_done) if partitioned else None
+        )
         if self.param_reducer is not None:
             self.param_reducer.armed = True
         if self.swapper is not None and rank == 0:
@@ -124,8 +147,10 @@ class ZeroRuntime:
         if self.flat_reducer is not None and self.stage == 1:  # stages 2 and 3 reduced after backward
             self.flat_reducer.armed = False
             self.flat_reducer.flush()
-        return ([p.shard.grad for p in self.partitions if not p.is_expert],
-                [p.shard.grad for p in self.partitions if p.is_expert])
+        return (
+            [p.shard.grad for p in self.partitions if not p.is_expert],
+            [p.shard.grad for p in self.partitions if p.is_expert],
+        )
 
     def after_step(self) -> None:
         """Bring the updated shards back into the model's parameters."""
@@ -158,8 +183,10 @@ class ZeroRuntime:
             part.copy_from_parameters()
 
     def gradient_kinds(self) -> tuple[list[str], list[str]]:
-        kinds = {is_expert: [gradient_kind(p.params[0]) for p in self.partitions if p.is_expert == is_expert]
-                 for is_expert in (False, True)}
+        kinds = {
+            is_expert: [gradient_kind(p.params[0]) for p in self.partitions if p.is_expert == is_expert]
+            for is_expert in (False, True)
+        }
         return kinds[False], kinds[True]
 
     def sum_square_norms(self, dense_sq: torch.Tensor, expert_sq: torch.Tensor) -> None:
@@ -172,8 +199,12 @@ class ZeroRuntime:
         parameters every (expert-)tensor-parallel rank holds whole is written by the first of them
         (experts are partitioned over their expert-data-parallel group, which spans the dense layers'
         tensor-parallel ranks but not the experts' own)."""
-        written = [p for p in self.partitions if tensor_parallel_split(p.params[0]) is not None
-                   or (self.expert_tp_rank if p.is_expert else self.tp_rank) == 0]
+        written = [
+            p
+            for p in self.partitions
+            if tensor_parallel_split(p.params[0]) is not None
+            or (self.expert_tp_rank if p.is_expert else self.tp_rank) == 0
+        ]
         return partition_state_entries(self.optimizer, written)
 
     def load_optimizer_state(self, reader: ShardedReader, saved_groups: list[dict[str, Any]]) -> None:
