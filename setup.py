@@ -72,8 +72,9 @@ setup(
     ],
     extras_require={
         # transformers: the Hugging Face tests (GLM-4-MoE, SentencePiece export need 5); ruff: `make test` lints first
-        "test": ["pytest", "transformers>=5", "ruff>=0.17,<0.18"],
+        "test": ["pytest", "transformers>=5", "ruff>=0.17,<0.18", "matplotlib"],
         "eval": ["lm-eval"],
+        "plot": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [

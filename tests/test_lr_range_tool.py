@@ -1,25 +1,23 @@
 """tools/lr_range_test.py: the sweep's stopping rule and suggestion on made-up curves, the plot's
-labels, the real tool on a tiny MoE GPT from pretrain_gpt.py's flags, the --toy demo, and bad flags."""
+legend, axis titles and marks, the real tool on a tiny MoE GPT from pretrain_gpt.py's flags, the
+--toy demo, and bad flags."""
 
 import itertools
 import json
 import math
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import matplotlib.image
 import pytest
 
-from megatron.cli.lr_range_test import main
-from megatron.plotting import Mark, line_chart, plot_box, png_bytes
-from megatron.runtime.lr_range_test import RangePoint, suggest, sweep
+from megatron.cli.lr_range_test import curve_figure, main
+from megatron.runtime.lr_range_test import RangePoint, Suggestion, Sweep, suggest, sweep
 from tests.training_fixtures import tiny_flags, write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
-WIDTH, HEIGHT = 800, 500
 MODEL = [
     "--num-layers",
     "2",
@@ -72,58 +70,33 @@ def test_suggestion_runs_from_the_steepest_descent_to_the_lowest_loss() -> None:
     assert suggest(rising).steepest_lr is None and suggest(rising).lowest_lr == 1e-5
 
 
-def read_png(path: Path) -> np.ndarray:
-    """The pixels of an 8-bit RGB PNG, checking every chunk's CRC (our writer uses filter 0 only)."""
-    data = path.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n")
-    offset, idat = 8, b""
-    while offset < len(data):
-        length = int.from_bytes(data[offset : offset + 4], "big")
-        kind, body = data[offset + 4 : offset + 8], data[offset + 8 : offset + 8 + length]
-        assert zlib.crc32(kind + body) == int.from_bytes(data[offset + 8 + length : offset + 12 + length], "big")
-        idat += body if kind == b"IDAT" else b""
-        offset += 12 + length
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any()
-    return rows[:, 1:].reshape(height, width, 3)
+def assert_png(path: Path) -> None:
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height > 0 and width > 0
 
 
-def label_areas(image: np.ndarray) -> dict[str, np.ndarray]:
-    """The margins where the chart writes text: tick labels beside the axes, titles beyond them."""
-    left, right, top, bottom = plot_box(image.shape[1], image.shape[0])
-    return {
-        "x tick labels": image[bottom + 10 : bottom + 30, left - 20 : right],
-        "x title": image[bottom + 32 :, left:right],
-        "y tick labels": image[top - 8 : bottom + 8, 24 : left - 8],
-        "y title": image[top:bottom, :20],
-        "legend": image[: top - 10, left:right],
-    }
-
-
-def inked(area: np.ndarray) -> bool:
-    return bool((area != 255).any())
-
-
-def test_the_chart_labels_its_axes_and_the_check_sees_when_they_are_missing(tmp_path: Path) -> None:
-    curve = [(10.0 ** (-5 + i / 10), 5 - math.sin(i / 10)) for i in range(40)]
-    path = tmp_path / "chart.png"
-    path.write_bytes(
-        png_bytes(
-            line_chart(
-                [(curve, (0, 0, 255))],
-                WIDTH,
-                HEIGHT,
-                log_x=True,
-                x_title="learning rate (log scale)",
-                y_title="training loss",
-                marks=[Mark(1e-3, (255, 0, 0), "lowest loss")],
-            )
-        )
-    )
-    assert [name for name, area in label_areas(read_png(path)).items() if not inked(area)] == []
-    untitled = label_areas(line_chart([(curve, (0, 0, 255))], WIDTH, HEIGHT, log_x=True))
-    assert [name for name, area in untitled.items() if not inked(area)] == ["x title", "y title", "legend"]
+def test_the_plot_names_the_curve_and_the_marks_and_titles_its_axes_with_units() -> None:
+    points = [RangePoint(i, 10.0 ** (-5 + i / 10), 5 - math.sin(i / 10), 5.0) for i in range(40)]
+    figure = curve_figure(Sweep(points, None, None), Suggestion(steepest_lr=1e-4, lowest_lr=1e-3), "lm loss")
+    axes = figure.axes[0]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "training lm loss, one point per iteration",
+        "steepest descent, lr 1.0e-04",
+        "lowest smoothed loss, lr 1.0e-03",
+    ]
+    assert axes.get_xlabel() == "learning rate (log scale)" and axes.get_xscale() == "log"
+    assert axes.get_ylabel() == "training lm loss (cross-entropy, nats per token)"
+    curve, steepest, lowest = axes.get_lines()
+    assert list(curve.get_xdata()) == [p.lr for p in points] and list(curve.get_ydata()) == [p.loss for p in points]
+    assert list(steepest.get_xdata()) == [1e-4, 1e-4] and list(lowest.get_xdata()) == [1e-3, 1e-3]
+    # the y axis runs from the lowest loss to a tenth above the first tenth's highest
+    lowest_loss = min(p.loss for p in points)
+    assert axes.get_ylim() == pytest.approx((lowest_loss, 5.0 + 0.1 * (5.0 - lowest_loss)))
+    # without a descent there is no range, and only the lowest loss is marked
+    rising = curve_figure(Sweep(points, None, None), Suggestion(steepest_lr=None, lowest_lr=1e-5), "loss")
+    assert [text.get_text() for text in rising.legends[0].get_texts()][1:] == ["lowest smoothed loss, lr 1.0e-05"]
+    assert rising.axes[0].get_ylabel() == "training loss (mean squared error)"
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
@@ -163,9 +136,7 @@ def test_range_test_on_a_tiny_moe_gpt_from_pretrain_flags(tmp_path: Path) -> Non
     lrs, losses = [p["lr"] for p in record["points"]], [p["loss"] for p in record["points"]]
     assert len(lrs) == 6 and lrs[0] == pytest.approx(1e-4) and all(a < b for a, b in itertools.pairwise(lrs))
     assert all(math.isfinite(loss) for loss in losses) and record["lowest_loss_lr"] in lrs
-    image = read_png(out)
-    assert image.shape == (HEIGHT, WIDTH, 3)
-    assert [name for name, area in label_areas(image).items() if not inked(area)] == []
+    assert_png(out)
     # the range test writes nothing of the run itself
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "tb").exists()
 
@@ -185,7 +156,8 @@ def test_toy_demo_needs_no_model_or_data_flags(tmp_path: Path, capsys: Any) -> N
             str(out),
         ]
     )
-    assert len(result.points) == 40 and read_png(out).shape == (HEIGHT, WIDTH, 3)
+    assert len(result.points) == 40
+    assert_png(out)
     assert "suggested learning-rate range" in capsys.readouterr().out
 
 

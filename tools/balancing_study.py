@@ -6,6 +6,7 @@ the MoE layers) and validation-loss curves as PNGs, the numbers as JSON, and pri
 table. Run `make demo` first (it builds the corpus and tokenizer).
 
     python tools/balancing_study.py --output docs/balancing   # -> docs/balancing_{imbalance,loss}.png, .json
+    # redraw the PNGs from docs/balancing.json alone: write_plots(json.loads(text), Path("docs/balancing"))
 """
 
 import importlib.util
@@ -15,11 +16,16 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.config.parser import FlagParser, positive_int
-from megatron.plotting import line_chart, png_bytes
+from megatron.errors import UserError
+from megatron.plotting import Curve, line_figure, require_matplotlib, save_png
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPO = Path(__file__).resolve().parent.parent
 # the demo's model and schedule (examples_deepspeed/pretrain_gpt_demo.sh), top-2, dropless
@@ -43,7 +49,6 @@ VARIANTS = [  # (label, flags)
         for rate in ("1e-3", "3e-3", "1e-2")
     ),
 ]
-COLORS = [(40, 40, 40), (30, 90, 200), (230, 140, 0), (30, 160, 60), (210, 30, 30)]
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 ITERATION = re.compile(r"^ iteration +(\d+)/", re.M)
 IMBALANCE = re.compile(r"layer \d+: imbalance ([0-9.]+)")
@@ -122,6 +127,41 @@ def table(results: list[dict], iterations: int) -> str:
     return "\n".join(lines)
 
 
+def figures(record: dict) -> dict[str, "Figure"]:
+    """The imbalance and validation-loss plots by file-name suffix, curves named by the table's
+    numbers and labels, from the JSON record main() saves."""
+    x_title = "iteration (16 x 256 tokens each)"
+
+    def curves(key: str) -> list[Curve]:
+        return [
+            Curve(f"{number} {r['label']}", [(it, value) for it, value in r[key] if it > 0])
+            for number, r in enumerate(record["runs"], start=1)
+        ]
+
+    return {
+        "_imbalance": line_figure(
+            curves("imbalance"),
+            title=f"Expert-load imbalance per log interval, {record['train_iters']} iterations per run",
+            x_title=x_title,
+            y_title="max/mean tokens per expert (mean over MoE layers)",
+        ),
+        "_loss": line_figure(
+            curves("validation"),
+            title=f"Validation loss, {record['train_iters']} iterations per run",
+            x_title=x_title,
+            y_title="validation loss (cross-entropy, nats per token)",
+            show_points=True,
+        ),
+    }
+
+
+def write_plots(record: dict, output: Path) -> None:
+    """OUTPUT_imbalance.png and OUTPUT_loss.png from a record as main() saves it to OUTPUT.json, so the
+    plots can be redrawn without the runs."""
+    for suffix, plot in figures(record).items():
+        save_png(plot, output.with_name(output.name + suffix + ".png"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -134,16 +174,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-iters", type=positive_int, default=200)
     parser.add_argument("--eval-interval", type=positive_int, default=50)
     args = parser.parse_args(argv)
+    try:  # before the runs, which take a while
+        require_matplotlib()
+    except UserError as error:
+        sys.exit(f"error: {error}")
     if not (args.demo_dir / "corpus_text_document.idx").is_file():
         sys.exit(f"error: no demo corpus in {args.demo_dir}; run `make demo` first or give --demo-dir")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     results = study(args.demo_dir, args.train_iters, args.eval_interval)
-    for suffix, key in (("_imbalance", "imbalance"), ("_loss", "validation")):
-        curves = [([(float(it), value) for it, value in r[key] if it > 0], COLORS[i]) for i, r in enumerate(results)]
-        args.output.with_name(args.output.name + suffix + ".png").write_bytes(png_bytes(line_chart(curves)))
-    args.output.with_suffix(".json").write_text(
-        json.dumps({"train_iters": args.train_iters, "runs": results}, indent=1)
-    )
+    record = {"train_iters": args.train_iters, "runs": results}
+    args.output.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    write_plots(record, args.output)
     print(table(results, args.train_iters))
 
 

@@ -5,6 +5,7 @@ prints a Markdown table. Run `make demo` first (it builds the corpus); every run
 
     python tools/quality_study.py --output docs/quality   # -> docs/quality.png, docs/quality.json
     # runs (checkpoints, logs) go to --work-dir, default demo_output/quality_study
+    # redraw docs/quality.png from docs/quality.json alone: write_plot(json.loads(text), Path("docs/quality"))
 """
 
 import importlib.util
@@ -15,11 +16,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.config.parser import FlagParser, positive_int
-from megatron.plotting import line_chart, png_bytes
+from megatron.errors import UserError
+from megatron.plotting import Curve, line_figure, require_matplotlib, save_png
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples_deepspeed" / "MoE"
 # (label, recipe, environment); the MoS runs use the PR-MoE run's checkpoint as their teacher
@@ -31,7 +37,6 @@ VARIANTS = [
     ("MoS student, KD throughout", "ds_pretrain_gpt_tiny_MoS_cpu.sh", {"KD_STOP_TOKENS": "never"}),
     ("MoS student, staged KD (off after 60%)", "ds_pretrain_gpt_tiny_MoS_cpu.sh", {}),
 ]
-COLORS = [(40, 40, 40), (30, 90, 200), (210, 30, 30), (120, 120, 120), (30, 160, 60), (230, 140, 0)]
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 SPEED = re.compile(r"tokens per second: ([0-9.]+)")
 SIZE = re.compile(r"^(total parameters|active parameters per token): ([\d,]+)", re.M)
@@ -97,6 +102,26 @@ def table(results: list[dict], train_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def figure(record: dict) -> "Figure":
+    """Validation-loss curves, named by the table's numbers and labels, from the JSON record main() saves."""
+    # from the first evaluation after the start: the untrained loss would squash the differences
+    curves = [
+        Curve(f"{r['number']} {r['label']}", [(it, loss) for it, loss in r["validation"] if it > 0])
+        for r in record["runs"]
+    ]
+    return line_figure(
+        curves,
+        title=f"Validation loss, {record['train_tokens']:,} training tokens per run",
+        x_title="iteration (8 x 128 tokens each)",
+        y_title="validation loss (cross-entropy, nats per token)",
+    )
+
+
+def write_plot(record: dict, output: Path) -> None:
+    """OUTPUT.png from a record as main() saves it to OUTPUT.json, so a plot can be redrawn without the runs."""
+    save_png(figure(record), output.with_suffix(".png"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=Path("docs/quality"), help="writes OUTPUT.png and OUTPUT.json")
@@ -108,14 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--train-tokens", type=positive_int, default=307200, help="per run (300 iterations of 8 x 128)")
     args = parser.parse_args(argv)
+    try:  # before the runs, which take a while
+        require_matplotlib()
+    except UserError as error:
+        sys.exit(f"error: {error}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     results = study(args.work_dir, args.train_tokens)
-    # from the first evaluation after the start: the untrained loss would squash the differences
-    curves = [([(float(it), loss) for it, loss in r["validation"] if it > 0], COLORS[i]) for i, r in enumerate(results)]
-    args.output.with_suffix(".png").write_bytes(png_bytes(line_chart(curves)))
-    args.output.with_suffix(".json").write_text(
-        json.dumps({"train_tokens": args.train_tokens, "runs": results}, indent=1)
-    )
+    record = {"train_tokens": args.train_tokens, "runs": results}
+    args.output.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    write_plot(record, args.output)
     print(table(results, args.train_tokens))
 
 

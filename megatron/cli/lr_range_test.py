@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,7 @@ from megatron.config.parser import FlagParser, positive_float, positive_int
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, TrainingStopped
 from megatron.parallel import build_parallel_grid
-from megatron.plotting import Mark, line_chart, png_bytes
+from megatron.plotting import Curve, Mark, line_figure, require_matplotlib, save_png
 from megatron.runtime.lr_range_test import (
     DIVERGENCE_FACTOR,
     RangePoint,
@@ -41,8 +41,13 @@ from megatron.runtime.lr_range_test import (
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.training import Trainer
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 SCHEDULE = "LRRangeTest"
 PrintLine = Callable[[str], None]
+# the y axis's unit for each loss the tool measures: the GPT's lm loss and the toy network's loss
+LOSS_UNITS = {"lm loss": "cross-entropy, nats per token", "loss": "mean squared error"}
 
 
 def build_range_test_parser() -> FlagParser:
@@ -227,31 +232,31 @@ def summary(result: Sweep, suggestion: Suggestion) -> str:
     )
 
 
-def plot(result: Sweep, suggestion: Suggestion, loss_name: str) -> bytes:
+def curve_figure(result: Sweep, suggestion: Suggestion, loss_name: str) -> "Figure":
+    """The loss against the lr (log scale), with the suggested range's ends as labelled marks."""
     losses = [p.loss for p in result.points]
     # the y axis stops a little above the first tenth's losses, so a diverging tail does not flatten the rest
     lowest, head = min(losses), max(losses[: max(len(losses) // 10, 1)])
     top = head + 0.1 * (head - lowest) if head > lowest else max(losses)
-    marks = [Mark(suggestion.lowest_lr, (210, 30, 30), f"lowest smoothed loss {suggestion.lowest_lr:.1e}")]
+    marks = [Mark(suggestion.lowest_lr, f"lowest smoothed loss, lr {suggestion.lowest_lr:.1e}")]
     if suggestion.steepest_lr is not None:
-        marks.insert(0, Mark(suggestion.steepest_lr, (30, 150, 60), f"steepest descent {suggestion.steepest_lr:.1e}"))
-    curve = [(p.lr, p.loss) for p in result.points]
-    image = line_chart(
-        [(curve, (30, 90, 200))],
+        marks.insert(0, Mark(suggestion.steepest_lr, f"steepest descent, lr {suggestion.steepest_lr:.1e}"))
+    return line_figure(
+        [Curve(f"training {loss_name}, one point per iteration", [(p.lr, p.loss) for p in result.points])],
+        title=f"LR range test: training {loss_name} against learning rate",
         x_title="learning rate (log scale)",
-        y_title=f"training {loss_name}",
+        y_title=f"training {loss_name} ({LOSS_UNITS[loss_name]})",
         log_x=True,
         y_range=(lowest, top),
         marks=marks,
     )
-    return png_bytes(image)
 
 
 def write_outputs(
     own: argparse.Namespace, argv: list[str], result: Sweep, suggestion: Suggestion, loss_name: str
 ) -> Path:
     own.output.parent.mkdir(parents=True, exist_ok=True)
-    own.output.write_bytes(plot(result, suggestion, loss_name))
+    save_png(curve_figure(result, suggestion, loss_name), own.output)
     record = {
         "argv": argv,
         "scheduler": {"type": SCHEDULE, "params": schedule_params(own)},
@@ -298,6 +303,7 @@ def run(argv: list[str]) -> Sweep:
         FlagParser(
             description=__doc__.split("\n\n")[0], parents=[build_parser(), build_range_test_parser()], add_help=False
         ).parse_args(["--help"])
+    require_matplotlib()  # before the sweep, which on a real model takes a while
     plan = (
         f" > LR range test: lr {own.min_lr:.3E} -> {last_lr(own):.3E} over at most {own.steps} iterations; "
         f"stops once the smoothed loss exceeds {DIVERGENCE_FACTOR:g}x its minimum"
