@@ -79,10 +79,10 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-pretrain-gpt=megatron.gpt_pretrain:main",
-            "megatron-preprocess-data=megatron.data.preprocess:main",
-            "megatron-train-tokenizer=megatron.data.tokenizer_training:main",
-            "ds_io=megatron.ops.io_bench:main",
-            "ds_nvme_tune=megatron.ops.nvme_tune:main",
+            "megatron-preprocess-data=megatron.cli.preprocess_data:main",
+            "megatron-train-tokenizer=megatron.cli.train_tokenizer:main",
+            "ds_io=megatron.cli.ds_io:main",
+            "ds_nvme_tune=megatron.cli.ds_nvme_tune:main",
         ]
     },
 )

@@ -34,7 +34,7 @@ timeout 90 $PY -m benchmarks.gpu_moe_layer --output "$OUT/gpu_moe_layer.json" 2>
 echo "== async I/O of a GPU tensor through the locked bounce buffer (1 GiB)"
 SCRATCH=$(mktemp -d -p "$PWD")  # on the machine's disk, never inside $OUT (which is copied back)
 for mode in --write --read; do
-    timeout 60 $PY -m megatron.ops.io_bench $mode --gpu --io_size 1G --folder "$SCRATCH" 2>&1 | tee -a "$OUT/gpu_aio.log"
+    timeout 60 $PY -m megatron.cli.ds_io $mode --gpu --io_size 1G --folder "$SCRATCH" 2>&1 | tee -a "$OUT/gpu_aio.log"
 done
 rm -rf "$SCRATCH"
 echo "== tiny MoE GPT over NCCL on 2 GPUs: TP=2 + sequence parallel, EP=2 (dropless), 20 iterations"

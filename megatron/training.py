@@ -14,7 +14,6 @@ from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, 
 from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord
 from megatron.config.flags import PretrainConfig
-from megatron.config.runtime_schema import RuntimeConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
@@ -28,6 +27,7 @@ from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
 from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
+from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.engine import Engine, build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.config.runtime_schema import validate_runtime_config
+from megatron.cli import ds_io, ds_nvme_tune
 from megatron.errors import UserError
-from megatron.ops import io_bench, nvme_tune
+from megatron.ops import io_bench
+from megatron.runtime.config.schema import validate_runtime_config
 
 
 def _op_built() -> bool:
@@ -42,7 +43,7 @@ def test_parse_size() -> None:
 @needs_op
 @pytest.mark.parametrize("op", ["--write", "--read"])
 def test_ds_io_measures_and_cleans_up(op: str, tmp_path: Path) -> None:
-    result = io_bench.run(
+    result = ds_io.run(
         [
             op,
             "--folder",
@@ -66,7 +67,7 @@ def test_ds_io_measures_and_cleans_up(op: str, tmp_path: Path) -> None:
 
 @needs_op
 def test_ds_io_sequential_requests_on_plain_memory(tmp_path: Path) -> None:
-    result = io_bench.run(
+    result = ds_io.run(
         [
             "--read",
             "--folder",
@@ -102,7 +103,7 @@ def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixtur
     )
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    summary = nvme_tune.run(
+    summary = ds_nvme_tune.run(
         [
             "--nvme_dir",
             str(nvme),
@@ -132,7 +133,7 @@ def test_nvme_tune_prints_aio_block(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        nvme_tune.main(argv)
+        ds_nvme_tune.main(argv)
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
@@ -162,7 +163,7 @@ def test_nvme_tune_rejects_bad_sweep_key(tmp_path: Path, capsys: pytest.CaptureF
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps({"blocksize": [4096]}))
     with pytest.raises(SystemExit):
-        nvme_tune.main(["--nvme_dir", str(tmp_path), "--sweep_config", str(sweep)])
+        ds_nvme_tune.main(["--nvme_dir", str(tmp_path), "--sweep_config", str(sweep)])
     assert "unknown keys ['blocksize']" in capsys.readouterr().err
 
 

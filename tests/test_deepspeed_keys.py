@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from megatron.checkpoint.tensors import model_entries
-from megatron.config.deepspeed_keys import HINTS, UNBUILT, no_effect_notes
 from megatron.config.flags import parse_args, with_data_parallel_size
-from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.runtime import initialize
+from megatron.runtime.config.deepspeed_keys import HINTS, UNBUILT, no_effect_notes
+from megatron.runtime.config.schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from tests.dist_utils import run_distributed
 from tests.test_zero import Net

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from megatron.cli.evaluate_ppl import main as ppl_main
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.errors import ConfigError, DataError
 from megatron.inference.checkpoint_model import LoadedModel, load_model
@@ -18,7 +19,6 @@ from megatron.inference.local_tasks import (
     two_choice_accuracy,
     two_choice_pairs,
 )
-from megatron.inference.perplexity import main as ppl_main
 from megatron.inference.perplexity import stream_perplexity
 from megatron.inference.scoring import (
     encode_pair,

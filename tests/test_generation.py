@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
+from megatron.cli.generate import main as generate_main
 from megatron.errors import CheckpointError, ConfigError
 from megatron.inference.checkpoint_model import load_model
-from megatron.inference.generate_tool import main as generate_main
 from megatron.inference.generation import generate
 from megatron.inference.sampling import SamplingConfig, sample_next
 from megatron.model import GPTConfig, GPTModel

@@ -1,4 +1,4 @@
-"""Hugging Face export and import (tools/checkpoint/convert.py, megatron/checkpoint/hf/): for every
+"""Hugging Face export and import (tools/checkpoint/convert.py, megatron/hf/): for every
 class, a checkpoint saved by training exports to a folder transformers loads with the same logits
 (1e-4 relative, fp32, dropless) and tokens; a random transformers model imports with the same
 logits, and exports back bit for bit; the imported checkpoint trains on (any ZeRO stage, EP=2);
@@ -14,15 +14,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron.checkpoint.hf.architectures import choose_spec, flags_from_hf
-from megatron.checkpoint.hf.from_hf import import_from_hf, vocab_divisor, weight_files
-from megatron.checkpoint.hf.safetensors_io import parse_size
-from megatron.checkpoint.hf.to_hf import export_to_hf
+from megatron.cli import train_tokenizer
 from megatron.cli.convert_checkpoint import main
 from megatron.config.flags import parse_args, with_data_parallel_size
-from megatron.data import tokenizer_training
 from megatron.data.tokenizer import _bytes_to_unicode
 from megatron.errors import CheckpointError, ConfigError
+from megatron.hf.architectures import choose_spec, flags_from_hf
+from megatron.hf.from_hf import import_from_hf, vocab_divisor, weight_files
+from megatron.hf.safetensors_io import parse_size
+from megatron.hf.to_hf import export_to_hf
 from megatron.inference.checkpoint_model import load_model
 from megatron.model import GPTConfig
 from megatron.model.moe import MoEConfig
@@ -195,7 +195,7 @@ def tokenizer_files(tmp_path_factory) -> dict[str, dict[str, str]]:
         )
         + "\n"
     )
-    tokenizer_training.main(
+    train_tokenizer.main(
         ["--input", str(folder / "corpus.txt"), "--vocab-size", "300", "--model-prefix", str(folder / "sp")]
     )
     merges = ["t h", "Ġ th", "Ġth e", "Ã ©", "c a", "ca f", "caf Ã©"]

@@ -1,4 +1,4 @@
-"""The exported tokenizer's check (megatron/checkpoint/hf/tokenizer_check.py), as a new user meets
+"""The exported tokenizer's check (megatron/hf/tokenizer_check.py), as a new user meets
 it: a SentencePiece BPE model trained with SentencePiece's own trainer on Python source with no CJK
 and no emoji (so the probe texts hold unknown pieces), the corpus preprocessed with it, a
 Mixtral-shaped model trained on it and exported by tools/checkpoint/convert.py. The export gives
@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import sentencepiece
 
-from megatron.checkpoint.hf.from_hf import import_from_hf
-from megatron.checkpoint.hf.to_hf import check_tokenizer
-from megatron.checkpoint.hf.tokenizer_check import PROBE_TEXTS
-from megatron.checkpoint.hf.tokenizer_files import export_tokenizer
 from megatron.data import preprocess
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import TokenizerSpec
 from megatron.data.tokenizer import SentencePieceTokenizer
 from megatron.errors import CheckpointError
+from megatron.hf.from_hf import import_from_hf
+from megatron.hf.to_hf import check_tokenizer
+from megatron.hf.tokenizer_check import PROBE_TEXTS
+from megatron.hf.tokenizer_files import export_tokenizer
 from tests import inference_fixtures
 from tests.test_hf_interop import MODERN, hf_logits, our_logits, relative_error, token_ids, train_checkpoint
 

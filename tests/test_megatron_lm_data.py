@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron.cli import preprocess_data
 from megatron.data import preprocess
 from megatron.data.gpt_dataset import (
     SPLIT_CUMULATIVE,
@@ -104,7 +105,7 @@ def test_the_extra_eod_convention_is_written_as_megatron_deepspeed_writes_it(tmp
         "--output-prefix",
         str(tmp_path / "c"),
     ]
-    preprocess.main(flags)
+    preprocess_data.main(flags)
     expected_bin, expected_idx = megatron_preprocessed(ROWS, eod=20, append_eod=True)
     assert (tmp_path / "c_text_document.bin").read_bytes() == expected_bin
     assert (tmp_path / "c_text_document.idx").read_bytes() == expected_idx

@@ -288,7 +288,7 @@ def test_router_loss_is_weighted_aux_plus_z_loss():
 
 
 def test_expert_biases_get_no_weight_decay_and_expert_matrices_do():
-    from megatron.config.runtime_schema import RuntimeConfig
+    from megatron.runtime.config.schema import RuntimeConfig
     from megatron.runtime.engine import build_optimizer
 
     layer = make_layer(4, MoEConfig())

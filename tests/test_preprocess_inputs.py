@@ -18,6 +18,7 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 
+from megatron.cli import preprocess_data
 from megatron.data import preprocess
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import TokenizerSpec
@@ -209,7 +210,7 @@ def test_null_or_missing_text_is_counted_once_at_the_end(tmp_path, capsys, name,
 
 def test_each_key_gets_its_own_summary_line(tmp_path, capsys):
     content = jsonl({"text": "1", "title": "2"}, {"text": None, "title": "3"}, {"title": None}, {"text": "4"})
-    preprocess.main(tool_flags(tmp_path, "c.jsonl", content, "--json-keys", "text", "title"))
+    preprocess_data.main(tool_flags(tmp_path, "c.jsonl", content, "--json-keys", "text", "title"))
     assert capsys.readouterr().out.splitlines()[-4:] == [
         "skipped 2 rows whose 'text' was null or missing",
         "skipped 2 rows whose 'title' was null or missing",
@@ -242,7 +243,7 @@ SKIPPED_ONE = ["skipped 1 row with text that is not valid UTF-8"]
     ],
 )
 def test_skip_invalid_utf8_drops_and_counts_the_rows(tmp_path, capsys, name, content, summary, documents):
-    preprocess.main(tool_flags(tmp_path, name, content, "--skip-invalid-utf8"))
+    preprocess_data.main(tool_flags(tmp_path, name, content, "--skip-invalid-utf8"))
     output = capsys.readouterr()
     assert [line for line in output.out.splitlines() if line.startswith("skipped")] == summary
     assert output.err == ""

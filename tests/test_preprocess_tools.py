@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.data import preprocess, tokenizer_training
+from megatron.cli import preprocess_data, train_tokenizer
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import TokenizerSpec
+from megatron.data.preprocess import TokenizerSpec, preprocess
 from megatron.data.tokenizer import build_tokenizer
 from megatron.errors import DataError
 
@@ -32,7 +32,7 @@ def write_jsonl(path, rows):
 def test_jsonl_with_two_workers(tmp_path):
     rows = ROWS * 50
     source = write_jsonl(tmp_path / "corpus.jsonl", rows)
-    preprocess.main(
+    preprocess_data.main(
         [
             "--input",
             source,
@@ -83,7 +83,7 @@ def test_table_inputs_through_a_glob(tmp_path, suffix, write):
     write(tmp_path / f"part1{suffix}", ROWS[:2])
     write(tmp_path / f"part2{suffix}", ROWS[2:])
     spec = TokenizerSpec("NullTokenizer", vocab_size=20)
-    [prefix] = preprocess.preprocess(str(tmp_path / f"part*{suffix}"), str(tmp_path / "c"), spec, ["text"])
+    [prefix] = preprocess(str(tmp_path / f"part*{suffix}"), str(tmp_path / "c"), spec, ["text"])
     dataset = MMapIndexedDataset(prefix)
     assert [dataset[i].tolist() for i in range(len(dataset))] == [[1, 2, 3], [4, 5], [6]]
 
@@ -91,7 +91,7 @@ def test_table_inputs_through_a_glob(tmp_path, suffix, write):
 def test_sentencepiece_corpus(tmp_path):
     lines = [f"expert {i} routes token {i * 3} to layer {i % 4}" for i in range(200)]
     source = write_jsonl(tmp_path / "corpus.jsonl", [{"body": line} for line in lines])
-    tokenizer_training.main(
+    train_tokenizer.main(
         [
             "--input",
             source,
@@ -106,7 +106,7 @@ def test_sentencepiece_corpus(tmp_path):
         ]
     )
     spec = TokenizerSpec("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp.model"))
-    [prefix] = preprocess.preprocess(source, str(tmp_path / "c"), spec, ["body"], append_eod=True, workers=2)
+    [prefix] = preprocess(source, str(tmp_path / "c"), spec, ["body"], append_eod=True, workers=2)
     tokenizer, dataset = build_tokenizer(**vars(spec)), MMapIndexedDataset(prefix)
     assert len(dataset) == len(lines)
     assert dataset[5][-1] == tokenizer.eod
@@ -117,25 +117,25 @@ def test_empty_corpus_writes_nothing(tmp_path):
     source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": ""}, {"text": ""}])
     spec = TokenizerSpec("NullTokenizer", vocab_size=20)
     with pytest.raises(DataError, match=r"corpus\.jsonl has no non-empty text under key 'text'"):
-        preprocess.preprocess(source, str(tmp_path / "out"), spec, ["text"], workers=2)
+        preprocess(source, str(tmp_path / "out"), spec, ["text"], workers=2)
     assert os.listdir(tmp_path) == ["corpus.jsonl"]
 
 
 def test_input_errors(tmp_path):
     spec = TokenizerSpec("NullTokenizer", vocab_size=20)
     with pytest.raises(DataError, match=r"--input .*nothing\*\.jsonl matches no file"):
-        preprocess.preprocess(str(tmp_path / "nothing*.jsonl"), str(tmp_path / "c"), spec, ["text"])
+        preprocess(str(tmp_path / "nothing*.jsonl"), str(tmp_path / "c"), spec, ["text"])
     source = write_jsonl(tmp_path / "corpus.jsonl", ROWS)
     with pytest.raises(DataError, match="no column 'body' .*columns: text, title"):
-        preprocess.preprocess(source, str(tmp_path / "c"), spec, ["body"])
+        preprocess(source, str(tmp_path / "c"), spec, ["body"])
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(DataError, match=r"\['\.txt'\]"):
-        preprocess.preprocess(str(tmp_path / "notes.txt"), str(tmp_path / "c"), spec, ["text"])
+        preprocess(str(tmp_path / "notes.txt"), str(tmp_path / "c"), spec, ["text"])
 
 
 def test_main_prints_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        preprocess.main(
+        preprocess_data.main(
             [
                 "--input",
                 str(tmp_path / "none.jsonl"),
@@ -148,7 +148,7 @@ def test_main_prints_one_line_error(tmp_path, capsys):
     assert exit_info.value.code == 1
     assert capsys.readouterr().err == "error: --tokenizer-type NullTokenizer needs --vocab-size; pass it.\n"
     with pytest.raises(SystemExit):
-        tokenizer_training.main(
+        train_tokenizer.main(
             ["--input", str(tmp_path / "none.txt"), "--vocab-size", "10", "--model-prefix", str(tmp_path / "m")]
         )
     assert capsys.readouterr().err.startswith("error: --input")

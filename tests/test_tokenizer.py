@@ -6,7 +6,7 @@ import random
 import pytest
 import sentencepiece
 
-from megatron.data import tokenizer_training
+from megatron.cli import train_tokenizer
 from megatron.data.tokenizer import (
     _PRETOKENIZE,
     GPT2BPETokenizer,
@@ -45,7 +45,7 @@ def write_corpus(path, lines=400, seed=0):
 def sentencepiece_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sp")
     corpus = write_corpus(directory / "corpus.txt")
-    tokenizer_training.main(["--input", corpus, "--vocab-size", "320", "--model-prefix", str(directory / "sp")])
+    train_tokenizer.main(["--input", corpus, "--vocab-size", "320", "--model-prefix", str(directory / "sp")])
     return str(directory / "sp.model")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.config.runtime_schema import ZeroConfig
+from megatron.runtime.config.schema import ZeroConfig
 from megatron.runtime.zero.gatherer import ParameterGatherer
 from megatron.runtime.zero.param_partition import ParamPartition
 from megatron.runtime.zero.residency import (

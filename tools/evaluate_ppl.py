@@ -1,4 +1,4 @@
-"""Perplexity of a checkpoint; see megatron/inference/perplexity.py for the flags."""
+"""Perplexity of a checkpoint; see megatron/cli/evaluate_ppl.py for the flags."""
 
 import importlib.util
 import os
@@ -6,7 +6,7 @@ import sys
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.inference.perplexity import main
+from megatron.cli.evaluate_ppl import main
 
 if __name__ == "__main__":
     main()

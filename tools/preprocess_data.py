@@ -1,4 +1,4 @@
-"""Tokenize a corpus into .bin/.idx files; see megatron/data/preprocess.py for the flags."""
+"""Tokenize a corpus into .bin/.idx files; see megatron/cli/preprocess_data.py for the flags."""
 
 import importlib.util
 import os
@@ -6,7 +6,7 @@ import sys
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.data.preprocess import main
+from megatron.cli.preprocess_data import main
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Train a SentencePiece tokenizer; see megatron/data/tokenizer_training.py for the flags."""
+"""Train a SentencePiece tokenizer; see megatron/cli/train_tokenizer.py for the flags."""
 
 import importlib.util
 import os
@@ -6,7 +6,7 @@ import sys
 
 if importlib.util.find_spec("megatron") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.data.tokenizer_training import main
+from megatron.cli.train_tokenizer import main
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ file and the newest intact older iteration to load instead.
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from megatron.checkpoint.durable import write_text_durably
 from megatron.checkpoint.layout import (
@@ -26,12 +27,22 @@ from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.verify import DamagedCheckpoint, verify_folder
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
-from megatron.runtime.engine import Engine
 
 Log = Callable[[str], None]
 
 
-def save_checkpoint(engine: Engine, save_dir: str, iteration: int, client_state: dict, run: RunRecord | None) -> Path:
+class FolderSaver(Protocol):
+    """What writes one iteration's folder (the runtime's engine): the checkpoint package only moves
+    `latest` after it, so it needs no import of the runtime above it."""
+
+    parallel: ParallelGrid
+
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, run: RunRecord | None) -> Path: ...
+
+
+def save_checkpoint(
+    engine: FolderSaver, save_dir: str, iteration: int, client_state: dict, run: RunRecord | None
+) -> Path:
     """Save `save_dir/iter_N/` atomically, then move `latest` to it."""
     folder = engine.save_checkpoint(save_dir, iteration_tag(iteration), client_state, run)
     if engine.parallel.is_first_rank:

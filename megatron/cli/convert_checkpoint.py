@@ -8,7 +8,7 @@
               ZeRO stage; the flags that build the model are printed at the end
 
 Both convert one tensor at a time, so a model larger than memory converts; see
-megatron/checkpoint/hf/ for the mappings.
+megatron/hf/ for the mappings.
 """
 
 import argparse
@@ -61,9 +61,9 @@ def log(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from megatron.checkpoint.hf.from_hf import import_from_hf
-    from megatron.checkpoint.hf.safetensors_io import parse_size
-    from megatron.checkpoint.hf.to_hf import export_to_hf
+    from megatron.hf.from_hf import import_from_hf
+    from megatron.hf.safetensors_io import parse_size
+    from megatron.hf.to_hf import export_to_hf
 
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.to:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.config.config_file import read_config_file
-from megatron.config.runtime_schema import validate_runtime_config
 from megatron.errors import ConfigError
+from megatron.runtime.config.config_file import read_config_file
+from megatron.runtime.config.schema import validate_runtime_config
 
 JsonPath = tuple[str | int, ...]
 

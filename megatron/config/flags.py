@@ -21,7 +21,6 @@ from megatron.config.parser import (
     positive_int,
     probability,
 )
-from megatron.config.runtime_schema import RuntimeConfig, explain, resolve_batch_sizes
 from megatron.data.gpt_dataset import SPLIT_CUMULATIVE, SPLIT_ROUNDINGS
 from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
@@ -29,6 +28,7 @@ from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_
 from megatron.model.moe import MoEConfig
 from megatron.model.moe.config import DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
 from megatron.model.pipeline_stage import layer_counts
+from megatron.runtime.config.schema import RuntimeConfig, explain, resolve_batch_sizes
 from megatron.runtime.lr_schedules import scheduler_parameters
 
 

@@ -7,15 +7,12 @@ would exceed SentencePiece's sentence length and be skipped). Sentences are stre
 SentencePiece, so the corpus never has to fit in a list.
 """
 
-import argparse
 import os
 from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from megatron.config.parser import FlagParser, positive_float, positive_int
 from megatron.data.corpus_reader import READERS, corpus_rows, is_utf8, open_text, suffix
-from megatron.entry_point import run_entry_point
 from megatron.errors import DataError
 
 
@@ -88,40 +85,3 @@ def train_tokenizer(
             "adjust --vocab-size or the corpus."
         ) from e
     return model_prefix + ".model"
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = FlagParser(description="Train a SentencePiece tokenizer for tools/preprocess_data.py.")
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="plain-text files (one sentence per line), or .jsonl/.json/.csv/.parquet corpora",
-    )
-    parser.add_argument("--vocab-size", type=positive_int, required=True)
-    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields read from each record")
-    parser.add_argument("--character-coverage", type=positive_float, default=0.9995)
-    parser.add_argument(
-        "--max-sentence-length", type=positive_int, default=4192, help="longer sentences (in bytes) are skipped"
-    )
-    return parser.parse_args(argv)
-
-
-def _train(argv: list[str] | None) -> None:
-    args = _parse_args(argv)
-    path = train_tokenizer(
-        args.input,
-        args.vocab_size,
-        args.model_prefix,
-        args.model_type,
-        args.json_keys,
-        args.character_coverage,
-        args.max_sentence_length,
-    )
-    print(f"wrote {path}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    run_entry_point(lambda: _train(argv))

@@ -35,10 +35,10 @@ from megatron.checkpoint.tensors import (
     tensor_parallel_splits,
 )
 from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
-from megatron.config.deepspeed_keys import no_effect_notes
-from megatron.config.runtime_schema import RuntimeConfig, load_runtime_config
 from megatron.errors import ConfigError
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
+from megatron.runtime.config.deepspeed_keys import no_effect_notes
+from megatron.runtime.config.schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.gradient_kinds import SLICE, WHOLE, pipeline_shared
 from megatron.runtime.loss_scaler import DynamicLossScaler, StaticLossScaler
 from megatron.runtime.lr_schedules import build_scheduler

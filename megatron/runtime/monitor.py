@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.config.runtime_schema import RuntimeConfig
+from megatron.runtime.config.schema import RuntimeConfig
 
 PHASES = ("forward", "backward", "step")
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from megatron.checkpoint.tensors import ShardedReader
-from megatron.config.runtime_schema import RuntimeConfig
 from megatron.parallel import ParallelGrid
+from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.gradient_kinds import pipeline_shared
 from megatron.runtime.replicated import Replicated
 from megatron.runtime.swap.param_store import ShardStore

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from megatron.config.runtime_schema import AioConfig, OffloadParamConfig
 from megatron.errors import ConfigError
+from megatron.runtime.config.schema import AioConfig, OffloadParamConfig
 from megatron.runtime.swap.folder import SwapFolder
 from megatron.runtime.swap.slots import ALIGN, IoSlot, SwapFile, align_down, align_up
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from megatron.checkpoint.checksum import BLOCK_BYTES, block_sums
-from megatron.config.runtime_schema import AioConfig
 from megatron.errors import UserError
 from megatron.ops.aio import aio_handle
+from megatron.runtime.config.schema import AioConfig
 
 ALIGN = 1024  # elements: 4 KiB of fp32, O_DIRECT's alignment
 

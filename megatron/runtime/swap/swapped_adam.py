@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from megatron.config.runtime_schema import AioConfig, OffloadOptimizerConfig
 from megatron.errors import UserError
+from megatron.runtime.config.schema import AioConfig, OffloadOptimizerConfig
 from megatron.runtime.optim.cpu_adam import _TORCH_SCALAR_TAIL, CPUAdam
 from megatron.runtime.swap.folder import SwapFolder
 from megatron.runtime.swap.param_store import ShardStore

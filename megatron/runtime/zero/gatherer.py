@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from megatron.config.runtime_schema import ZeroConfig
+from megatron.runtime.config.schema import ZeroConfig
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 from megatron.runtime.zero.param_partition import ParamPartition
 from megatron.runtime.zero.residency import BucketEvent, GathererPhase, Residency, ResidencyLedger, StepEvent

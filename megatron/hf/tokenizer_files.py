@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpoint.hf.tokenizer_check import compare, probe_texts, require_transformers
 from megatron.data.tokenizer import GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer, Tokenizer
 from megatron.errors import CheckpointError, DataError
+from megatron.hf.tokenizer_check import compare, probe_texts, require_transformers
 
 GPT2_END = "<|endoftext|>"
 # Unicode's noncharacters, reserved for a program's internal use (render_unknown_as_sentencepiece)

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.durable import fsync_path, replace_durably, write_text_durably
-from megatron.checkpoint.hf.safetensors_io import Planned, TensorInfo, write_file
 from megatron.checkpoint.iterations import holds_checkpoints
 from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file, staging_folder
 from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
 from megatron.checkpoint.save import PART_BYTES
 from megatron.checkpoint.tensors import expert_ids, global_entries, pack_by_size
 from megatron.errors import CheckpointError
+from megatron.hf.safetensors_io import Planned, TensorInfo, write_file
 from megatron.model import GPTConfig, GPTModel
 
 

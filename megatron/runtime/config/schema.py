@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, ValidationError
 
-from megatron.config.config_file import read_config_source
-from megatron.config.deepspeed_keys import (
+from megatron.errors import ConfigError
+from megatron.runtime.config.config_file import read_config_source
+from megatron.runtime.config.deepspeed_keys import (
     ActivationCheckpointingConfig,
     AioKeys,
     BF16Keys,
@@ -25,8 +26,7 @@ from megatron.config.deepspeed_keys import (
     ZeroKeys,
     refuse_unbuilt,
 )
-from megatron.config.schema_types import Beta, Count, NonNegative, Positive, PositiveCount, ScalePower, Section
-from megatron.errors import ConfigError
+from megatron.runtime.config.schema_types import Beta, Count, NonNegative, Positive, PositiveCount, ScalePower, Section
 
 ADAM_ONLY = ("adam_w_mode", "amsgrad")
 LAMB_ONLY = ("max_coeff", "min_coeff")

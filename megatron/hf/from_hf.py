@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 
-from megatron.checkpoint.hf.architectures import Spec, choose_spec, flags_from_hf, moe_layout
-from megatron.checkpoint.hf.link_runner import LinkRunner, plan
-from megatron.checkpoint.hf.our_checkpoint import check_entries, expected_entries, write_weights_checkpoint
-from megatron.checkpoint.hf.routing import routing_of
-from megatron.checkpoint.hf.safetensors_io import TensorIndex
-from megatron.checkpoint.hf.tensor_maps import model_links
-from megatron.checkpoint.hf.tokenizer_files import import_tokenizer
 from megatron.checkpoint.manifest import RunRecord
 from megatron.config.flags import build_parser, model_config_from_args
 from megatron.data.tokenizer import padded_vocab_size
 from megatron.errors import CheckpointError, ConfigError
+from megatron.hf.architectures import Spec, choose_spec, flags_from_hf, moe_layout
+from megatron.hf.link_runner import LinkRunner, plan
+from megatron.hf.our_checkpoint import check_entries, expected_entries, write_weights_checkpoint
+from megatron.hf.routing import routing_of
+from megatron.hf.safetensors_io import TensorIndex
+from megatron.hf.tensor_maps import model_links
+from megatron.hf.tokenizer_files import import_tokenizer
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig
 

@@ -1,6 +1,6 @@
 """The rest of DeepSpeed 0.19's config keys, so that a user's ds_config.json loads as written.
 
-runtime_schema.py models the keys that change the arithmetic. The keys here are the others, each
+schema.py models the keys that change the arithmetic. The keys here are the others, each
 either a hint that changes nothing in this runtime (accepted; one log line says so and why) or a
 feature that is not built here (refused with one sentence once it is turned on; the same block
 turned off is accepted). Their fields live in the mixins below, which the schema's sections
@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, Field, model_validator
 
-from megatron.config.schema_types import Block, Count, PositiveCount, Section
 from megatron.errors import ConfigError
+from megatron.runtime.config.schema_types import Block, Count, PositiveCount, Section
 
 Path = tuple[str, ...]
 

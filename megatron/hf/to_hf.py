@@ -16,17 +16,17 @@ from pathlib import Path
 
 import torch
 
-from megatron.checkpoint.hf.architectures import choose_spec, hf_config
-from megatron.checkpoint.hf.link_runner import LinkRunner, plan
-from megatron.checkpoint.hf.our_checkpoint import check_entries, expected_entries
-from megatron.checkpoint.hf.safetensors_io import TensorIndex, write_file
-from megatron.checkpoint.hf.tensor_maps import model_links
-from megatron.checkpoint.hf.tokenizer_check import compare, probe_texts, training_texts
-from megatron.checkpoint.hf.tokenizer_files import export_tokenizer
 from megatron.checkpoint.layout import MODEL, rank_files
 from megatron.checkpoint.tensors import pack_by_size
 from megatron.data.tokenizer import Tokenizer
 from megatron.errors import CheckpointError
+from megatron.hf.architectures import choose_spec, hf_config
+from megatron.hf.link_runner import LinkRunner, plan
+from megatron.hf.our_checkpoint import check_entries, expected_entries
+from megatron.hf.safetensors_io import TensorIndex, write_file
+from megatron.hf.tensor_maps import model_links
+from megatron.hf.tokenizer_check import compare, probe_texts, training_texts
+from megatron.hf.tokenizer_files import export_tokenizer
 from megatron.inference.checkpoint_model import (
     TOKENIZER_FILE_FLAGS,
     checkpoint_folder,

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron.checkpoint.hf.safetensors_io import Planned, TensorIndex, TensorInfo
-from megatron.checkpoint.hf.tensor_maps import Link, Tensors
+from megatron.hf.safetensors_io import Planned, TensorIndex, TensorInfo
+from megatron.hf.tensor_maps import Link, Tensors
 
 
 def sides(link: Link, to_hf: bool) -> tuple[tuple[str, ...], tuple[str, ...], Callable[..., Tensors]]:

@@ -12,8 +12,8 @@ continued training can never disagree.
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.checkpoint.hf.routing import Routing, routing_flags, routing_of, unsupported_routing
 from megatron.errors import CheckpointError
+from megatron.hf.routing import Routing, routing_flags, routing_of, unsupported_routing
 from megatron.model import GPTConfig
 
 
