@@ -54,10 +54,26 @@ $(VENV)/bin/python:
 	  echo "error: could not create the virtual environment $(VENV) with $(BASE_PYTHON) -m venv; install Python's venv module (Debian/Ubuntu: apt-get install python3-venv) or activate a virtual environment first." >&2; \
 	  exit 1; }
 
-install: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
+# The package is installed editable, so Python changes need no reinstall; a stamp per interpreter
+# remembers the install, and only a change to what pip builds from (setup.py, pyproject.toml, the
+# C++ sources) or a new interpreter runs pip again. `make install FORCE_INSTALL=1` always does.
+INSTALL_STAMP := build/installed-$(shell printf '%s' '$(abspath $(PYTHON))' | cksum | cut -d' ' -f1)
+INSTALL_INPUTS := setup.py pyproject.toml MANIFEST.in $(wildcard csrc/*/*.cpp csrc/*/*.h) \
+	$(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
+ifdef FORCE_INSTALL
+.PHONY: $(INSTALL_STAMP)
+endif
+
+$(INSTALL_STAMP): $(INSTALL_INPUTS)
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "== installing torch $(TORCH_VERSION), $(TORCH_VARIANT) build"; $(INSTALL_TORCH); }
 	@echo "== installing megatron-moe and its dependencies; compiling its C++ ops takes about half a minute"
 	$(PYTHON) -m pip install -e ".[test]"
+	@mkdir -p build && touch $@
+
+# A stamp whose install was removed since (pip uninstall, a deleted .venv) is not trusted.
+install:
+	@$(PYTHON) -I -c "import megatron.ops.op_builder" 2>/dev/null || rm -f $(INSTALL_STAMP)
+	@$(MAKE) -s --no-print-directory $(INSTALL_STAMP)
 
 demo: install
 	DEMO_DIR=$(DEMO_DIR) PYTHON=$(PYTHON) bash examples_deepspeed/pretrain_gpt_demo.sh

@@ -78,7 +78,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megatron-pretrain-gpt=megatron.gpt_pretrain:main",
+            "megatron-pretrain-gpt=megatron.cli.pretrain_gpt:main",
             "megatron-preprocess-data=megatron.cli.preprocess_data:main",
             "megatron-train-tokenizer=megatron.cli.train_tokenizer:main",
             "ds_io=megatron.cli.ds_io:main",

@@ -6,7 +6,11 @@
 # Run it with `make demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+# $PYTHON (`make demo` passes its own), else an active virtual environment's, else the project's .venv
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=python3
+    [[ -z ${VIRTUAL_ENV:-} && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
+fi
 DEMO_DIR=${DEMO_DIR:-demo_output}
 mkdir -p "$DEMO_DIR"
 

@@ -163,7 +163,7 @@ def fsync_and_signal(path):
         sent.append(os.kill(os.getpid(), signal.SIGTERM))
     real(path)
 save.fsync_path = fsync_and_signal
-from megatron.gpt_pretrain import main
+from megatron.cli.pretrain_gpt import main
 main(sys.argv[1:])
 """
 

@@ -107,12 +107,14 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
 
 def test_range_test_on_a_tiny_moe_gpt_from_pretrain_flags(tmp_path: Path) -> None:
     out = tmp_path / "plots" / "range.png"
+    # no --lr: the sweep sets the lr itself
     flags = tiny_flags(
         write_corpus(tmp_path),
         num_experts=4,
         expert_interval=1,
         save=tmp_path / "ckpt",
         tensorboard_dir=tmp_path / "tb",
+        lr=None,
     )
     done = run_tool(
         *flags,
@@ -159,6 +161,24 @@ def test_toy_demo_needs_no_model_or_data_flags(tmp_path: Path, capsys: Any) -> N
     assert len(result.points) == 40
     assert_png(out)
     assert "suggested learning-rate range" in capsys.readouterr().out
+
+
+def toy_lines(tmp_path: Path, *flags: str) -> list[str]:
+    done = run_tool("--toy", "--lr_range_test_output", str(tmp_path / "toy.png"), *flags)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if line.startswith(" > ")]
+
+
+def test_a_sweep_that_never_diverged_says_its_upper_end_is_only_where_it_stopped(tmp_path: Path) -> None:
+    short = toy_lines(tmp_path, "--lr_range_test_steps", "3", "--lr_range_test_min_lr", "1e-4")
+    assert short[1] == (
+        " > warning: the sweep ended at lr 1.100E-03 before the loss diverged, so the range's upper end is where "
+        "the sweep stopped, not where training breaks down; sweep further with a larger --lr_range_test_steps "
+        "or --lr_range_test_step_rate"
+    )
+    steep = ["--lr_range_test_steps", "100", "--lr_range_test_min_lr", "1e-3", "--lr_range_test_step_rate", "1000"]
+    diverged = toy_lines(tmp_path, *steep)
+    assert diverged[1].startswith(" > stopped early: the smoothed loss") and not any("warning" in s for s in diverged)
 
 
 @pytest.mark.parametrize(

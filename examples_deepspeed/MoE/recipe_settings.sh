@@ -15,7 +15,12 @@ set -euo pipefail
 
 RECIPE_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO_DIR=$(cd "$RECIPE_DIR/../.." && pwd)
-PYTHON=${PYTHON:-python3}
+# The interpreter: $PYTHON, else an active virtual environment's, else the project's .venv (what
+# `make install` made), else python3; torchrun is run through it, so no PATH set-up is needed.
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=python3
+    [[ -z ${VIRTUAL_ENV:-} && -x $REPO_DIR/.venv/bin/python ]] && PYTHON=$REPO_DIR/.venv/bin/python
+fi
 
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -210,7 +215,7 @@ run_recipe() {
         return
     fi
     echo "$name: $world rank(s) on $NNODES node(s), expert-parallel size $ep; log $OUTPUT_DIR/log/$name.log"
-    cd "$REPO_DIR" && torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
+    cd "$REPO_DIR" && "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
         pretrain_gpt.py "${args[@]}" "$@" 2>&1 | tee "$OUTPUT_DIR/log/$name.log"
 }

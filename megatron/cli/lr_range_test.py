@@ -127,12 +127,17 @@ def last_lr(own: argparse.Namespace) -> float:
     return schedule.get_last_lr()[0]
 
 
-def with_training_length(argv: list[str], own: argparse.Namespace) -> list[str]:
-    """pretrain_gpt.py requires a training length; the range test sets its own."""
-    lengths = ("--train-iters", "--train-samples", "--train-tokens")
-    if any(arg.split("=", 1)[0] in lengths for arg in argv):
-        return argv
-    return argv + ["--train-iters", str(own.steps)]
+def with_sweep_defaults(argv: list[str], own: argparse.Namespace) -> list[str]:
+    """pretrain_gpt.py requires a training length and an lr; the range test sets both itself (its
+    schedule drives the lr from --lr_range_test_min_lr), so neither need be given. A DeepSpeed
+    config may carry its own lr, which a --lr added here would contradict."""
+    given = {arg.split("=", 1)[0] for arg in argv}
+    extra = []
+    if not given & {"--train-iters", "--train-samples", "--train-tokens"}:
+        extra += ["--train-iters", str(own.steps)]
+    if not given & {"--lr", "--deepspeed_config", "--deepspeed-config"}:
+        extra += ["--lr", str(own.min_lr)]
+    return argv + extra
 
 
 def range_test_config(config: PretrainConfig, own: argparse.Namespace) -> PretrainConfig:
@@ -285,6 +290,12 @@ def finish(
         )
     if result.stop_reason:
         print_line(f" > stopped early: {result.stop_reason}")
+    elif result.diverged_lr is None:
+        print_line(
+            f" > warning: the sweep ended at lr {result.points[-1].lr:.3E} before the loss diverged, so the range's "
+            "upper end is where the sweep stopped, not where training breaks down; sweep further with a larger "
+            "--lr_range_test_steps or --lr_range_test_step_rate"
+        )
     suggestion = suggest(result.points)
     print_line(summary(result, suggestion))
     if writes:
@@ -316,7 +327,7 @@ def run(argv: list[str]) -> Sweep:
         print_line(plan)
         result = sweep(toy_step(own), own.steps, printer(own.steps, "loss", print_line))
         return finish(own, argv, result, "loss", True, print_line)
-    config = parse_args(with_training_length(rest, own))
+    config = parse_args(with_sweep_defaults(rest, own))
     grid = build_parallel_grid(ep_size=config.training.expert_parallel_size)
     trainer = Trainer(range_test_config(with_data_parallel_size(config, grid.dp_size), own), grid)
     trainer.log.info(plan)
