@@ -22,7 +22,6 @@ megatron/parallel.py, world = tp x dp x pp:
 Activations are not counted: they depend on micro-batch, sequence length and activation checkpointing.
 """
 
-import argparse
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,10 +29,8 @@ from typing import Any
 import torch
 
 from megatron.checkpoint.tensors import expert_ids
-from megatron.config.flags import PretrainConfig, build_parser, model_config_from_args
-from megatron.config.parser import positive_int
+from megatron.config.flags import PretrainConfig
 from megatron.data.tokenizer import build_tokenizer, padded_vocab_size
-from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, DataError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
@@ -43,15 +40,6 @@ from megatron.parallel import check_parallel_sizes
 GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)
 GPT2_VOCAB = 50257  # the vocabulary of GPT2BPETokenizer, the default --tokenizer-type
-DESCRIPTION = (
-    "Size a GPT model from pretrain_gpt.py's model flags without building it or reading any data: "
-    "total and active parameters, training FLOPs per token, and memory per rank for weights, "
-    "gradients and optimizer state under each ZeRO stage and expert-parallel size at the given "
-    "--tensor-model-parallel-size and --pipeline-model-parallel-size, then for every tensor x pipeline "
-    "layout of --world-size at --zero-stage. The vocabulary "
-    "is --padded-vocab-size, or --vocab-size padded to --make-vocab-size-divisible-by x TP, or read from the "
-    f"tokenizer files given, or else GPT-2's {GPT2_VOCAB:,} tokens."
-)
 # Megatron's tensor-parallel linears, by the name of the module that holds the weight
 COLUMN_PARALLEL = ("query_key_value", "dense_h_to_4h", "output_layer")  # output rows split: weight and bias
 ROW_PARALLEL = ("dense", "dense_4h_to_h")  # input columns split: the weight; the bias is added whole after the sum
@@ -491,53 +479,3 @@ def dry_run(config: PretrainConfig, world: int) -> None:
     zero_stage = config.runtime_config(world // (layout.tp_size * layout.pp_size)).zero_optimization.stage
     if int(os.environ.get("RANK", "0")) == 0:
         print("\n".join(size_report(model, t.seq_length, world, layout, zero_stage, vocabulary)), flush=True)
-
-
-def tool_vocab(args: argparse.Namespace) -> tuple[Vocabulary, str | None]:
-    """tools/model_size.py's vocabulary, and a note when it is GPT-2's by default (no tokenizer needed)."""
-    if args.padded_vocab_size is not None:
-        if args.vocab_size is not None:
-            raise ConfigError("--vocab-size and --padded-vocab-size both given: give one of them")
-        return Vocabulary(args.padded_vocab_size), None
-    if args.vocab_size is None and args.vocab_file is None and args.tokenizer_model is None:
-        vocabulary = Vocabulary(GPT2_VOCAB, args.make_vocab_size_divisible_by)
-        return vocabulary, (
-            f"note: no --vocab-size, --padded-vocab-size or tokenizer file given: sizing with GPT-2's "
-            f"vocabulary of {GPT2_VOCAB:,} tokens (padded to {vocabulary.rows(args.tensor_model_parallel_size):,})"
-        )
-    return sizing_vocab(vars(args)), None
-
-
-def _size(argv: list[str] | None) -> None:
-    parser = build_parser(sizing=True)
-    parser.prog, parser.description = "tools/model_size.py", DESCRIPTION  # build_parser's are pretrain_gpt.py's
-    parser.add_argument(
-        "--padded-vocab-size",
-        type=positive_int,
-        default=None,
-        help="the embedding's row count as is, with no padding added (what a checkpoint holds)",
-    )
-    parser.add_argument(
-        "--world-size",
-        type=positive_int,
-        default=int(os.environ.get("WORLD_SIZE", "1")),
-        help="ranks to size the memory for: WORLD_SIZE where set",
-    )
-    args: argparse.Namespace = parser.parse_args(argv)
-    layout = Layout(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.moe_expert_parallel_size,
-        args.decoder_first_pipeline_num_layers,
-        args.decoder_last_pipeline_num_layers,
-        args.expert_tensor_parallel_size,
-    )
-    vocabulary, note = tool_vocab(args)
-    model = replace(model_config_from_args(args), vocab_size=vocabulary.rows(layout.tp_size))
-    lines = size_report(model, args.seq_length, args.world_size, layout, args.zero_stage, vocabulary)
-    print("\n".join([note, *lines] if note else lines), flush=True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """tools/model_size.py: the model flags of pretrain_gpt.py (training flags optional) + --world-size."""
-    run_entry_point(lambda: _size(argv))

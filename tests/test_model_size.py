@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.cli.model_size import main as model_size_main
 from megatron.config.flags import build_parser, model_config_from_args
 from megatron.errors import ConfigError
 from megatron.model import GPTModel
@@ -24,7 +25,6 @@ from megatron.model_size import (
     valid_ep_sizes,
     with_scale,
 )
-from megatron.model_size import main as model_size_main
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent

@@ -105,3 +105,18 @@ def test_the_check_finds_a_cycle_through_a_type_only_import(tmp_path: Path) -> N
         "  checkpoint -> runtime: megatron/checkpoint/code.py\n"
         "  runtime -> checkpoint: megatron/runtime/code.py"
     )
+
+
+def test_every_main_is_a_command_line_entry_behind_run_entry_point() -> None:
+    """A tool's main() lives in megatron/cli/ and ends through run_entry_point, so its errors are one sentence."""
+    misplaced, bare = [], []
+    for path in sorted(MEGATRON.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                calls = {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+                if path.parent.name != "cli":
+                    misplaced.append(str(path.relative_to(MEGATRON.parent)))
+                elif "run_entry_point" not in calls:
+                    bare.append(str(path.relative_to(MEGATRON.parent)))
+    assert misplaced == [] and bare == []
