@@ -1,13 +1,9 @@
 """ds_io and ds_nvme_tune on small sizes: they measure, print a pasteable "aio" block, and stop on
-bad input with one sentence; the README's async-I/O example runs as pasted. Speed itself is
-measured in benchmarks/aio.py, not asserted here. How the installed commands exit is in
-test_tool_behaviour.py."""
+bad input with one sentence. Speed itself is measured in benchmarks/aio.py, not asserted here. How
+the installed commands exit is in test_tool_behaviour.py; the docs' async-I/O example runs in
+test_docs_commands.py."""
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -171,19 +167,3 @@ def test_nvme_tune_rejects_bad_sweep_key(tmp_path: Path, capsys: pytest.CaptureF
 def test_gds_is_refused_where_missing() -> None:
     with pytest.raises(UserError, match="GPUDirect Storage is not available"):
         io_bench.handle_factory(gds=True)
-
-
-@needs_op
-def test_readme_async_io_example_runs_as_pasted(tmp_path: Path) -> None:
-    readme = (REPO / "README.md").read_text()
-    example = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "AsyncIOBuilder" in block)
-    # a fresh interpreter in an empty folder, as a reader pasting it would run it
-    done = subprocess.run(
-        [sys.executable, "-c", example],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert done.returncode == 0, f"the README's async-I/O example fails as pasted:\n{done.stderr}"

@@ -162,7 +162,7 @@ def write_plots(record: dict, output: Path) -> None:
         save_png(plot, output.with_name(output.name + suffix + ".png"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> FlagParser:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--output",
@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--demo-dir", type=Path, default=REPO / "demo_output", help="where `make demo` put the corpus")
     parser.add_argument("--train-iters", type=positive_int, default=200)
     parser.add_argument("--eval-interval", type=positive_int, default=50)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:  # before the runs, which take a while
         require_matplotlib()
     except UserError as error:

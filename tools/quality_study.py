@@ -122,7 +122,7 @@ def write_plot(record: dict, output: Path) -> None:
     save_png(figure(record), output.with_suffix(".png"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> FlagParser:
     parser = FlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=Path("docs/quality"), help="writes OUTPUT.png and OUTPUT.json")
     parser.add_argument(
@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         help="checkpoints and logs of the runs (emptied first)",
     )
     parser.add_argument("--train-tokens", type=positive_int, default=307200, help="per run (300 iterations of 8 x 128)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:  # before the runs, which take a while
         require_matplotlib()
     except UserError as error:

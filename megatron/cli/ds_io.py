@@ -18,7 +18,7 @@ from megatron.ops.io_bench import (
 )
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> FlagParser:
     parser = FlagParser(prog="ds_io", description=__doc__)
     op = parser.add_mutually_exclusive_group(required=True)
     op.add_argument("--read", action="store_true", help="time reads of a file written once beforehand")
@@ -48,12 +48,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--gpu", action="store_true", help="move data from/to a CUDA tensor")
     parser.add_argument("--flush_page_cache", action="store_true", help="drop the page cache before each read")
-    return parser.parse_args(argv)
+    return parser
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """One measurement from ds_io's flags: prints its one-line summary and returns the numbers."""
-    args = _parse_args(argv)
+    args = build_parser().parse_args(argv)
     settings = AioSettings(
         parse_size(args.block_size),
         args.queue_depth,

@@ -78,7 +78,7 @@ def best_settings(results: list[dict[str, Any]]) -> dict[str, Any]:
     return json.loads(max(totals, key=totals.__getitem__))
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> FlagParser:
     parser = FlagParser(prog="ds_nvme_tune", description=__doc__)
     parser.add_argument("--nvme_dir", type=Path, required=True, help="a folder on the drive to tune for")
     parser.add_argument("--sweep_config", type=Path, help="JSON object of lists replacing the default sweep lists")
@@ -91,7 +91,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log_dir", type=Path, help="write every result to LOG_DIR/nvme_tune.json")
     parser.add_argument("--loops", type=positive_int, default=2, help="timed passes per setting (median kept)")
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
-    return parser.parse_args(argv)
+    return parser
 
 
 def tune(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """The sweep from ds_nvme_tune's flags: prints the best settings and the "aio" block, returns every result."""
-    args = _parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.log_dir is not None:  # made first: a bad folder stops the tool before minutes of sweeping, not after
         try:
             args.log_dir.mkdir(parents=True, exist_ok=True)

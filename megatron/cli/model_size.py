@@ -5,7 +5,7 @@ import os
 from dataclasses import replace
 
 from megatron.config.flags import build_parser, model_config_from_args
-from megatron.config.parser import positive_int
+from megatron.config.parser import FlagParser, positive_int
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError
 from megatron.model_size import GPT2_VOCAB, Layout, Vocabulary, size_report, sizing_vocab
@@ -36,7 +36,7 @@ def tool_vocab(args: argparse.Namespace) -> tuple[Vocabulary, str | None]:
     return sizing_vocab(vars(args)), None
 
 
-def _size(argv: list[str] | None) -> None:
+def build_size_parser() -> FlagParser:
     parser = build_parser(sizing=True)
     parser.prog, parser.description = "tools/model_size.py", DESCRIPTION  # build_parser's are pretrain_gpt.py's
     parser.add_argument(
@@ -51,7 +51,11 @@ def _size(argv: list[str] | None) -> None:
         default=int(os.environ.get("WORLD_SIZE", "1")),
         help="ranks to size the memory for: WORLD_SIZE where set",
     )
-    args: argparse.Namespace = parser.parse_args(argv)
+    return parser
+
+
+def _size(argv: list[str] | None) -> None:
+    args: argparse.Namespace = build_size_parser().parse_args(argv)
     layout = Layout(
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,

@@ -1,14 +1,12 @@
 """`tools/preprocess_data.py`: tokenize a corpus into Megatron .bin/.idx files (megatron/data/preprocess.py)."""
 
-import argparse
-
 from megatron.config.parser import FlagParser, positive_int
 from megatron.data.preprocess import TokenizerSpec, preprocess
 from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST, TOKENIZER_TYPES
 from megatron.entry_point import run_entry_point
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> FlagParser:
     parser = FlagParser(description="Tokenize a corpus into Megatron .bin/.idx files.")
     parser.add_argument("--input", required=True, help="a .jsonl/.json/.parquet/.csv file or a glob of them")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="columns to tokenize, one output per key")
@@ -33,11 +31,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="skip (and count) rows whose text is not valid UTF-8, instead of stopping at the first",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def _preprocess(argv: list[str] | None) -> None:
-    args = _parse_args(argv)
+    args = build_parser().parse_args(argv)
     spec = TokenizerSpec(
         args.tokenizer_type,
         args.tokenizer_model,

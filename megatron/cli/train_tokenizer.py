@@ -1,13 +1,11 @@
 """`tools/train_tokenizer.py`: train a SentencePiece tokenizer (megatron/data/tokenizer_training.py)."""
 
-import argparse
-
 from megatron.config.parser import FlagParser, positive_float, positive_int
 from megatron.data.tokenizer_training import train_tokenizer
 from megatron.entry_point import run_entry_point
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> FlagParser:
     parser = FlagParser(description="Train a SentencePiece tokenizer for tools/preprocess_data.py.")
     parser.add_argument(
         "--input",
@@ -23,11 +21,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-sentence-length", type=positive_int, default=4192, help="longer sentences (in bytes) are skipped"
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def _train(argv: list[str] | None) -> None:
-    args = _parse_args(argv)
+    args = build_parser().parse_args(argv)
     path = train_tokenizer(
         args.input,
         args.vocab_size,
