@@ -44,7 +44,7 @@ else
 INSTALL_TORCH = $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 endif
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 
 # The virtual environment, unless PYTHON points elsewhere. A failed `venv` (Debian without the
 # python3-venv package) leaves a half-made folder: remove it, so the next run tries again.
@@ -84,3 +84,7 @@ lint: install
 
 test: lint
 	$(PYTHON) -m pytest -q tests
+
+# the unit tier only: no process groups, trainers or subprocesses (under a minute on 2 cores)
+test-fast: install
+	$(PYTHON) -m pytest -q -m unit tests
