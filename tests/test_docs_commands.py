@@ -48,7 +48,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 # other programs' flags that the pages name: torchrun's, pip's, pytest's, the benchmarks' and fio's
 FOREIGN = {
     "--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--master_addr", "--master_port",
-    "--index-url", "--no-deps", "--durations", "--ep-size", "--threads", "--direct", "--name",
+    "--index-url", "--no-deps", "--durations", "--junitxml", "--ep-size", "--threads", "--direct", "--name",
     "--rw", "--bs", "--iodepth", "--ioengine", "--numjobs", "--size", "--filename",
 }  # fmt: skip
 BLOCK = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
