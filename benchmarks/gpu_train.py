@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron.parallel import build_parallel_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_config, write_corpus
 
 VOCAB = 50257

@@ -35,7 +35,7 @@ from benchmarks.moe_layer import cpu_name, proc_status_bytes
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.model.moe import experts
 from megatron.parallel import build_parallel_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_config
 from tools.build_demo_corpus import stdlib_sources
 

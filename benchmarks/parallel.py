@@ -1,6 +1,6 @@
 """Data against tensor and pipeline parallelism on the same 2 gloo ranks (one thread each): step
 time and per-rank memory of one dense GPT under DP=2, TP=2, TP=2 with sequence parallelism and PP=2
-(1F1B), each trained through the Trainer (megatron.training) from the flags a user would give, ZeRO
+(1F1B), each trained through the Trainer (megatron.training.loop) from the flags a user would give, ZeRO
 stage 0, fp32.
 
 Every layout of the main table trains the same global batch (micro batch 2 x 2 = 4 sequences a
@@ -60,14 +60,14 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import megatron.training
+import megatron.training.loop
 from benchmarks.moe_layer import cpu_name, proc_status_bytes
 from benchmarks.zero import tensor_bytes
 from megatron.config.flags import PretrainConfig
 from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid
 from megatron.runtime.pipeline_schedule import StageLinks
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 
@@ -264,7 +264,9 @@ class PipelineTimers:
         schedule = megatron.training.one_forward_one_backward  # the Trainer's reference, not the module's
         with (
             mock.patch.object(StageLinks, "_exchange", self._timed(StageLinks._exchange, self._exchanged)),
-            mock.patch.object(megatron.training, "one_forward_one_backward", self._timed(schedule, self._scheduled)),
+            mock.patch.object(
+                megatron.training.loop, "one_forward_one_backward", self._timed(schedule, self._scheduled)
+            ),
         ):
             yield
 

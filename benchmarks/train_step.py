@@ -22,7 +22,7 @@ import torch
 
 from megatron.parallel import build_parallel_grid
 from megatron.runtime.engine import build_optimizer
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_config, write_corpus
 
 CONFIGS = {

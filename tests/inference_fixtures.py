@@ -10,7 +10,7 @@ from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
 from megatron.parallel import build_parallel_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_config
 
 

@@ -17,7 +17,7 @@ from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_config, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))

@@ -6,7 +6,7 @@ import torch
 from megatron.model import GPTConfig, GPTModel
 from megatron.parallel import ParallelGrid, single_process_grid
 from megatron.runtime import initialize
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_config, write_corpus
 
 pytestmark = pytest.mark.cuda

@@ -9,7 +9,7 @@ from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
 from megatron.parallel import single_process_grid
 from megatron.runtime.deepspeed_schedules import WarmupLR
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_flags, write_corpus
 
 BASE = [

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.config.flags import parse_args
 from megatron.errors import CheckpointError, ConfigError
-from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
+from megatron.training.losses import kd_divergence_BS, masked_mean
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import MODERN_MOE, tiny_config, tiny_flags, write_corpus
 

@@ -27,7 +27,7 @@ from megatron.inference.checkpoint_model import load_model
 from megatron.model import GPTConfig
 from megatron.model.moe import MoEConfig
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests import inference_fixtures
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import VOCAB, tiny_config, tiny_flags, write_corpus

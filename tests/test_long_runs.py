@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron.training as training_module
+import megatron.training.loop as training_module
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError, TrainingStopped
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, tiny_flags, write_corpus
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron import training
 from megatron.config.flags import build_parser, model_config_from_args
 from megatron.errors import ConfigError
 from megatron.inference.checkpoint_model import load_model
@@ -22,7 +21,8 @@ from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel, transformer
 from megatron.model_size import model_size
 from megatron.parallel import single_process_grid
-from megatron.training import Trainer
+from megatron.training import loop as training
+from megatron.training.loop import Trainer
 from tests import inference_fixtures
 from tests.training_fixtures import tiny_config, write_corpus
 

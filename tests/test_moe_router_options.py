@@ -13,7 +13,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
-import megatron.training as training_module
+import megatron.training.loop as training_module
 from megatron.config.flags import parse_args
 from megatron.errors import ConfigError
 from megatron.model.moe import MoEConfig, MoELayer
@@ -21,7 +21,7 @@ from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.moe.router import Router, topk_gating
 from megatron.model.moe.scoring import score_topk
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 

@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.checkpoint.tensors import ShardedReader
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 

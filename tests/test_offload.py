@@ -18,7 +18,7 @@ from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_
 from megatron.runtime import initialize
 from megatron.runtime.engine import Engine
 from megatron.runtime.swap.slots import SwapError
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 

@@ -12,7 +12,7 @@ Graph = dict[str, dict[str, set[str]]]
 
 
 def node_of(module: str) -> str:
-    """megatron.runtime.zero.stages -> runtime; megatron.training -> training."""
+    """megatron.runtime.zero.stages -> runtime; megatron.training.loop -> training."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "megatron"
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel_training import ARCHITECTURES, _train, assert_same, offload, write_offload_configs
 from tests.training_fixtures import tiny_config, write_corpus

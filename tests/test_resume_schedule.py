@@ -13,7 +13,7 @@ import torch
 
 from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.parallel import single_process_grid
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.training_fixtures import tiny_flags, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))

@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron import training_log
 from megatron.checkpoint import tensors as state_io
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer, run_summary
+from megatron.training import log as training_log
+from megatron.training.loop import Trainer, run_summary
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 

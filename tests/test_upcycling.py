@@ -11,8 +11,8 @@ from megatron.errors import ConfigError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
 from megatron.parallel import build_parallel_grid, single_process_grid
-from megatron.training import Trainer
-from megatron.upcycling import check_upcycling, upcycle
+from megatron.training.loop import Trainer
+from megatron.training.upcycling import check_upcycling, upcycle
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
 

@@ -15,7 +15,7 @@ from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_
 from megatron.runtime import initialize
 from megatron.runtime.engine import Engine
 from megatron.runtime.zero.buffer_pool import BufferPool
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 

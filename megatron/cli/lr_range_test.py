@@ -39,7 +39,7 @@ from megatron.runtime.lr_range_test import (
     sweep,
 )
 from megatron.runtime.lr_schedules import build_scheduler
-from megatron.training import Trainer
+from megatron.training.loop import Trainer
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

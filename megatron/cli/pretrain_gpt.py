@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from megatron.cli.threads import ThreadChoice, choose_threads
 
 if TYPE_CHECKING:
-    from megatron.training import TrainResult
+    from megatron.training.loop import TrainResult
 
 
 def pretrain_from_flags(argv: list[str] | None, threads: ThreadChoice) -> "TrainResult | None":
@@ -15,7 +15,7 @@ def pretrain_from_flags(argv: list[str] | None, threads: ThreadChoice) -> "Train
     from megatron.config.flags import parse_args, with_data_parallel_size
     from megatron.model_size import dry_run
     from megatron.parallel import build_parallel_grid, launched_world_size
-    from megatron.training import pretrain
+    from megatron.training.loop import pretrain
 
     config = parse_args(argv)
     if os.environ.get("RANK", "0") == "0":

@@ -107,7 +107,7 @@ class CheckpointConfig:
     reset_iteration: bool  # --load reads the weights only and the run starts at iteration 0
     ckpt_step: int | None  # the iteration to load instead of `latest`
     overwrite_checkpoints: bool  # a run from scratch may save over the checkpoints already in --save
-    # --load holds a dense model whose weights start this MoE model (megatron/upcycling.py)
+    # --load holds a dense model whose weights start this MoE model (megatron/training/upcycling.py)
     moe_use_upcycling: bool = False
 
 

@@ -17,22 +17,22 @@ from megatron.config.flags import PretrainConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
 from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
-from megatron.distill import distillation_losses, init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.errors import CheckpointError, ConfigError, DataError, TrainingStopped
-from megatron.exit_conditions import ExitConditions
-from megatron.losses import masked_mean
 from megatron.model import GPTModel
 from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
-from megatron.moe_monitor import MoEMonitor
 from megatron.parallel import ParallelGrid, all_reduce
 from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.engine import Engine, build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
-from megatron.training_log import TrainingLogger
-from megatron.upcycling import upcycle_from_checkpoint
+from megatron.training.distill import distillation_losses, init_student_from_teacher, load_teacher, teacher_checkpoint
+from megatron.training.exit_conditions import ExitConditions
+from megatron.training.log import TrainingLogger
+from megatron.training.losses import masked_mean
+from megatron.training.moe_monitor import MoEMonitor
+from megatron.training.upcycling import upcycle_from_checkpoint
 
 
 @dataclass

@@ -27,11 +27,11 @@ from megatron.inference.checkpoint_model import (
     read_client_state,
 )
 from megatron.inference.mode import inference_config
-from megatron.losses import kd_divergence_BS, masked_mean
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.tensor_parallel import TensorParallel, local_part
 from megatron.parallel import ParallelGrid
 from megatron.runtime.engine import Engine
+from megatron.training.losses import kd_divergence_BS, masked_mean
 
 
 def teacher_checkpoint(

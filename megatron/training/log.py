@@ -5,7 +5,7 @@ import math
 import time
 from typing import Any
 
-from megatron.moe_monitor import LayerLoad
+from megatron.training.moe_monitor import LayerLoad
 
 LINE = "-" * 100
 PROGRESS_SECONDS = 30.0  # long work (evaluation, slow iterations) says how far it got at least this often
