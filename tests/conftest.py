@@ -13,16 +13,17 @@ requires_cuda = pytest.mark.skipif(
 # distributed: spawns 2-4 gloo ranks (tests/dist_utils.py) or runs torchrun;
 # tools: runs the command-line tools as subprocesses.
 TIERS = {
-    "unit": """aio_tools arguments checksum cpu_adam cuda_paths data_integrity deepspeed_config gpt_dataset
-        indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating package_imports
-        resume_schedule schedule_corner_cases tokenizer transpose_op zero_residency""",
-    "integration": "checkpoint_faults generation memory runtime",
+    "unit": """aio_tools arguments checksum config_faults cpu_adam cuda_paths data_integrity data_loader_worker_faults
+        deepspeed_config gpt_dataset indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating
+        package_imports resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
+        zero_residency""",
+    "integration": "checkpoint_faults generation hf_import_faults load_config_check memory run_end_faults runtime",
     "distributed": """config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop long_runs
         model_size moe_ep_dispatch moe_layer moe_router_options moe_training offload parallel_grid
-        pipeline_parallel_training swap_integrity tensor_parallel tensor_parallel_model
+        pipeline_parallel_training save_lock swap_integrity tensor_parallel tensor_parallel_model
         tensor_parallel_training training upcycling zero""",
-    "tools": """aio docs_commands hf_tokenizer_check lr_range_tool plotting preprocess_inputs preprocess_tools
-        recipes setup thread_choice tool_behaviour""",
+    "tools": """aio docs_commands hf_tokenizer_check lr_range_tool plotting preemption_with_workers preprocess_inputs
+        preprocess_tools recipes setup thread_choice tool_behaviour""",
 }
 TIER_OF = {f"test_{name}": tier for tier, names in TIERS.items() for name in names.split()}
 

@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -15,11 +16,13 @@ from megatron.config.deepspeed_json import explicit_flags, flag_for, merge_deeps
 from megatron.config.distill_flags import DistillConfig, add_distill_args, distill_config_from_args
 from megatron.config.parser import (
     FlagParser,
+    finite_float,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
     probability,
+    ranged,
 )
 from megatron.data.gpt_dataset import SPLIT_CUMULATIVE, SPLIT_ROUNDINGS
 from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
@@ -28,7 +31,9 @@ from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_
 from megatron.model.moe import MoEConfig
 from megatron.model.moe.config import DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
 from megatron.model.pipeline_stage import layer_counts
+from megatron.runtime.config.folders import blocking_file
 from megatron.runtime.config.schema import RuntimeConfig, explain, resolve_batch_sizes
+from megatron.runtime.config.schema_types import LOSS_SCALE_RANGE, LOSS_SCALE_WORDS
 from megatron.runtime.lr_schedules import scheduler_parameters
 
 
@@ -135,11 +140,12 @@ class PretrainConfig:
 
     def runtime_config(self, dp_size: int) -> RuntimeConfig:
         """The engine's config for these flags, with batch sizes checked against `dp_size`."""
+        merged = runtime_dict(self.flags, self.training.deepspeed_json)
         try:
-            config = RuntimeConfig.model_validate(runtime_dict(self.flags, self.training.deepspeed_json))
+            config = RuntimeConfig.model_validate(merged)
         except ValidationError as exc:
             # the JSON was checked on its own when it was read, so a problem here comes from a flag
-            problem = explain(exc, "the command-line flags")
+            problem = explain(exc, "the command-line flags", merged)
             key = flag_for(problem.loc)
             raise ConfigError(
                 problem.sentence
@@ -148,6 +154,16 @@ class PretrainConfig:
                 f"(as {key.key} {problem.value!r}: {problem.reason})"
             ) from None
         return resolve_batch_sizes(config, dp_size)
+
+
+# the ranges of the ds_config's fp16 keys that these flags set; DeepSpeed keeps the initial scale as
+# a power of two (fp16.initial_scale_power, 0 to 127)
+loss_scale = ranged(
+    finite_float, lambda v: LOSS_SCALE_RANGE[0] <= v <= LOSS_SCALE_RANGE[1], f"a loss scale {LOSS_SCALE_WORDS}"
+)
+power_of_two_loss_scale = ranged(
+    finite_float, lambda v: 1 <= v <= 2.0**127 and math.frexp(v)[0] == 0.5, "a power of two from 1 to 2**127"
+)
 
 
 def build_parser(sizing: bool = False) -> FlagParser:
@@ -431,9 +447,14 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--clip-grad", type=non_negative_float, default=1.0, help="gradient-norm clipping; 0: off")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=positive_float, default=None, help="static fp16 loss scale; default dynamic")
-    g.add_argument("--initial-loss-scale", type=positive_float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=positive_float, default=1.0)
+    g.add_argument("--loss-scale", type=loss_scale, default=None, help="static fp16 loss scale; default dynamic")
+    g.add_argument(
+        "--initial-loss-scale",
+        type=power_of_two_loss_scale,
+        default=2.0**32,
+        help="where the dynamic fp16 loss scale starts (DeepSpeed keeps it as fp16.initial_scale_power)",
+    )
+    g.add_argument("--min-loss-scale", type=loss_scale, default=1.0)
     g.add_argument("--loss-scale-window", type=positive_int, default=1000)
     g.add_argument("--hysteresis", type=positive_int, default=2)
     g.add_argument("--seed", type=int, default=1234)
@@ -638,6 +659,17 @@ def _check_model_parallel_flags(args: argparse.Namespace) -> None:
     layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
+def _check_tensorboard_dir(folder: str | None) -> None:
+    """Stop at config time, not at the first log line, where a file is in the way of the folder."""
+    in_the_way = blocking_file(Path(folder)) if folder else None
+    if in_the_way is None:
+        return
+    where = "is a file" if in_the_way == Path(folder) else f"lies under {in_the_way}, which is a file"
+    raise ConfigError(
+        f"--tensorboard-dir {folder} {where}, not a folder; point it at a folder, or at a path that does not exist yet"
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     _check_model_parallel_flags(args)
     for dest, key in (("micro_batch_size", "train_micro_batch_size_per_gpu"), ("lr", "optimizer.params.lr")):
@@ -645,6 +677,12 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
             raise ConfigError(f"--{dest.replace('_', '-')} is required; give it, or {key} in --deepspeed_config")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 were both given; choose one precision")
+    if args.fp16 and args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
+        raise ConfigError(
+            f"--min-loss-scale {args.min_loss_scale:g} is above --initial-loss-scale {args.initial_loss_scale:g}, so "
+            "the dynamic fp16 loss scale would start below its minimum; lower --min-loss-scale or raise the other"
+        )
+    _check_tensorboard_dir(args.tensorboard_dir)
     max_positions = args.max_position_embeddings or args.seq_length
     if args.seq_length > max_positions:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_positions}")

@@ -79,7 +79,9 @@ def finite_float(text: str) -> float:
     return value
 
 
-def _ranged(base: Callable[[str], float | int], ok: Callable[[float], bool], what: str) -> Callable[[str], Any]:
+def ranged(base: Callable[[str], float | int], ok: Callable[[float], bool], what: str) -> Callable[[str], Any]:
+    """A flag type: `base` parses the text, `ok` accepts the value; otherwise "'TEXT' is not WHAT"."""
+
     def parse(text: str) -> float | int:
         try:
             value = base(text)
@@ -93,8 +95,8 @@ def _ranged(base: Callable[[str], float | int], ok: Callable[[float], bool], wha
     return parse
 
 
-positive_int = _ranged(int, lambda v: v > 0, "a positive integer")
-non_negative_int = _ranged(int, lambda v: v >= 0, "zero or a positive integer")
-positive_float = _ranged(finite_float, lambda v: v > 0, "a positive number")
-non_negative_float = _ranged(finite_float, lambda v: v >= 0, "zero or a positive number")
-probability = _ranged(finite_float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
+positive_int = ranged(int, lambda v: v > 0, "a positive integer")
+non_negative_int = ranged(int, lambda v: v >= 0, "zero or a positive integer")
+positive_float = ranged(finite_float, lambda v: v > 0, "a positive number")
+non_negative_float = ranged(finite_float, lambda v: v >= 0, "zero or a positive number")
+probability = ranged(finite_float, lambda v: 0 <= v < 1, "a probability in [0, 1)")

@@ -7,6 +7,7 @@ give the third).
 """
 
 import difflib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -26,7 +27,19 @@ from megatron.runtime.config.deepspeed_keys import (
     ZeroKeys,
     refuse_unbuilt,
 )
-from megatron.runtime.config.schema_types import Beta, Count, NonNegative, Positive, PositiveCount, ScalePower, Section
+from megatron.runtime.config.folders import blocking_file
+from megatron.runtime.config.schema_types import (
+    Beta,
+    Count,
+    LossScale,
+    NonNegative,
+    Positive,
+    PositiveCount,
+    ScalePower,
+    Section,
+    StaticLossScale,
+    ZeroStage,
+)
 
 ADAM_ONLY = ("adam_w_mode", "amsgrad")
 LAMB_ONLY = ("max_coeff", "min_coeff")
@@ -76,12 +89,19 @@ class OptimizerConfig(OptimizerKeys):
 
 class FP16Config(FP16Keys):
     enabled: bool = False
-    loss_scale: NonNegative = 0.0  # 0 means dynamic
+    loss_scale: StaticLossScale = 0.0  # 0 means dynamic
     initial_scale_power: ScalePower = 16
     loss_scale_window: PositiveCount = 1000
     hysteresis: PositiveCount = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: Positive = 1.0
+    min_loss_scale: LossScale = 1.0
+
+    def model_post_init(self, context: Any) -> None:
+        if self.enabled and self.loss_scale == 0 and self.min_loss_scale > 2.0**self.initial_scale_power:
+            raise ValueError(
+                f"min_loss_scale {self.min_loss_scale!r} is above the initial scale 2**{self.initial_scale_power}, "
+                "so the dynamic scale would start below its minimum; lower min_loss_scale or raise initial_scale_power"
+            )
 
 
 class BF16Config(BF16Keys):
@@ -124,7 +144,7 @@ class OffloadParamConfig(Section):
 class ZeroConfig(ZeroKeys):
     """DeepSpeed's `zero_optimization` block. Sizes count elements, as in DeepSpeed."""
 
-    stage: Literal[0, 1, 2, 3] = 0
+    stage: ZeroStage = 0
     # gradients are always views of one flat buffer here, so they are contiguous either way
     contiguous_gradients: bool = True
     reduce_scatter: bool = True  # False: all-reduce each bucket instead
@@ -203,6 +223,15 @@ class TensorBoardConfig(Section):
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
 
+    def model_post_init(self, context: Any) -> None:
+        folder = Path(self.output_path or "runs") / self.job_name  # where the engine's monitor writes
+        in_the_way = blocking_file(folder) if self.enabled else None
+        if in_the_way is not None:
+            raise ValueError(
+                f"{in_the_way} is a file, so the TensorBoard logs cannot go to {folder}; point output_path and "
+                "job_name at a folder, or at a path that does not exist yet"
+            )
+
 
 class RuntimeConfig(TopLevelKeys):
     train_batch_size: PositiveCount | None = None
@@ -271,9 +300,61 @@ class ConfigProblem:
     sentence: str
 
 
-def explain(error: ValidationError, source: str) -> ConfigProblem:
-    """One sentence about the first problem, with the nearest key for a typo (unknown keys come
-    first: a misspelled required key is also reported missing)."""
+def _unquoted(text: str) -> tuple[Any, str] | None:
+    """The number or boolean that a quoted value spells, and how to write it ("true", "2", "5e8")."""
+    word = text.strip()
+    if word.lower() in ("true", "false"):
+        return word.lower() == "true", word.lower()
+    try:
+        value = json.loads(word)
+    except ValueError:
+        return None
+    return (value, word) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _replaced(config: Any, loc: tuple[int | str, ...], value: Any) -> tuple[Any, Any, int]:
+    """A copy of `config` with `value` at `loc`, the value it replaced, and how many parts of `loc`
+    lie in the config (pydantic's locations end with the union member tried, for some keys)."""
+    if loc and isinstance(config, dict) and loc[0] in config:
+        key, rest = loc[0], loc[1:]
+        inner, old, depth = _replaced(config[key], rest, value)
+        return {**config, key: inner}, old, depth + 1
+    if loc and isinstance(config, list) and isinstance(loc[0], int) and loc[0] < len(config):
+        index, rest = loc[0], loc[1:]
+        inner, old, depth = _replaced(config[index], rest, value)
+        return [*config[:index], inner, *config[index + 1 :]], old, depth + 1
+    return value, config, 0
+
+
+def _quoted_by_mistake(config: dict[str, Any], loc: tuple[int | str, ...], text: str) -> tuple[str, str] | None:
+    """The key and the value to write, where the string `text` at `loc` is refused but the number
+    or boolean it spells would be accepted (None otherwise)."""
+    unquoted = _unquoted(text)
+    if unquoted is None:
+        return None
+    fixed, old, depth = _replaced(config, loc, unquoted[0])
+    if depth == 0 or old != text:  # the location is not in the config as written
+        return None
+    try:
+        RuntimeConfig.model_validate(fixed)
+    except ValidationError as still:
+        if any(problem["loc"][:depth] == loc[:depth] for problem in still.errors()):
+            return None
+    return ".".join(str(part) for part in loc[:depth]), unquoted[1]
+
+
+def _as_written(value: Any) -> str:
+    """A value to quote in a sentence: true, false and null as the JSON spells them, a number or a
+    string as Python does; nothing for a block."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return repr(value) if isinstance(value, (str, int, float)) else ""
+
+
+def explain(error: ValidationError, source: str, config: dict[str, Any]) -> ConfigProblem:
+    """One sentence about the first problem in `config`, with the nearest key for a typo (unknown
+    keys come first: a misspelled required key is also reported missing) and the value to write
+    for a number or boolean written as a string."""
     first = sorted(error.errors(), key=lambda problem: problem["type"] != "extra_forbidden")[0]
     loc = first["loc"]
     where = ".".join(str(part) for part in loc)
@@ -287,7 +368,16 @@ def explain(error: ValidationError, source: str) -> ConfigProblem:
     message = first["msg"].removeprefix("Value error, ")
     reason = message[0].lower() + message[1:]
     value = first.get("input")
-    given = f" {value!r}" if isinstance(value, (str, int, float, bool)) or value is None else ""
+    quoted = _quoted_by_mistake(config, loc, value) if isinstance(value, str) else None
+    if quoted is not None:
+        key, written = quoted
+        fix = f"write it without quotes: {written}"
+        string = json.dumps(value)
+        return ConfigProblem(
+            loc, value, f"it is the string {string}; {fix}", f"{key!r} is the string {string} in {source}; {fix}"
+        )
+    shown = _as_written(value)
+    given = f" {shown}" if shown else ""
     return ConfigProblem(loc, value, reason, f"bad value{given} for {where!r} in {source}: {reason}")
 
 
@@ -296,7 +386,7 @@ def validate_runtime_config(config: dict[str, Any], source: str = "the runtime c
     try:
         validated = RuntimeConfig.model_validate(config)
     except ValidationError as exc:
-        raise ConfigError(explain(exc, source).sentence) from None
+        raise ConfigError(explain(exc, source, config).sentence) from None
     refuse_unbuilt(validated, source)
     return validated
 

@@ -165,6 +165,6 @@ class SwapFolder:
                 f"has {available:,} free; free space or point nvme_path at a larger disk"
             )
 
-    def file(self, name: str, nbytes: int) -> SwapFile:
-        """A swap file of `nbytes` bytes in this folder (made by its first write)."""
-        return SwapFile(os.fspath(self.path / name), nbytes)
+    def file(self, name: str, nbytes: int, holds: str) -> SwapFile:
+        """A swap file of `nbytes` bytes of `holds` in this folder (made by its first write)."""
+        return SwapFile(os.fspath(self.path / name), nbytes, holds)

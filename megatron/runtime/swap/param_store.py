@@ -58,7 +58,7 @@ class ParamSwapper:
         if self.folder is None:
             self.folder = SwapFolder(self.offload.nvme_path, self.rank, "offload_param")
         self.folder.check_space(4 * numel, WHAT)
-        swap_file = self.folder.file(f"params{self.files}.swp", 4 * numel)
+        swap_file = self.folder.file(f"params{self.files}.swp", 4 * numel, WHAT)
         self.files += 1
         with open(swap_file.path, "wb") as file:
             file.truncate(4 * numel)
@@ -81,7 +81,7 @@ class ParamSwapper:
     def claim(self) -> IoSlot:
         """A free buffer; the caller makes sure one is (has_free_slot), by finishing reads in flight."""
         if not self.slots:
-            self.slots = [IoSlot(self.aio, self.slot_numel, WHAT) for _ in range(self.offload.buffer_count)]
+            self.slots = [IoSlot(self.aio, self.slot_numel) for _ in range(self.offload.buffer_count)]
             self.free = list(self.slots)
         if not self.free:
             raise RuntimeError("every parameter swap buffer is in use; finish a read before starting another")

@@ -37,7 +37,9 @@ class SwapError(UserError):
     """Reading or writing a swap file failed (a disk error, a full disk) or read back damaged data."""
 
 
-def swap_failed(what: str, error: OSError) -> SwapError:
+def swap_failed(files: list["SwapFile"], error: OSError) -> SwapError:
+    """The error for a failed transfer of `files`, named by what they hold."""
+    what = " and ".join(sorted({file.holds for file in files}))
     return SwapError(
         f"swapping {what} failed ({error}); training stopped and the last checkpoint is intact; "
         "check the swap disk and its free space"
@@ -59,10 +61,13 @@ def tensor_block_sums(data: torch.Tensor) -> np.ndarray:
 
 class SwapFile:
     """A swap file of `nbytes` bytes and the checksum of each 4 KiB block this rank last wrote to it
-    (swap files are not reused across runs, so the checksums need not outlive the process)."""
+    (swap files are not reused across runs, so the checksums need not outlive the process); `holds`
+    names its contents in errors ("optimizer state", "parameter partitions"), whichever buffer
+    moves it."""
 
-    def __init__(self, path: str, nbytes: int) -> None:
+    def __init__(self, path: str, nbytes: int, holds: str) -> None:
         self.path = path
+        self.holds = holds
         self.sums = np.zeros(-(-nbytes // BLOCK_BYTES), dtype=np.uint64)  # unwritten blocks read as zeros
 
     def record(self, data: torch.Tensor, byte_offset: int) -> None:
@@ -73,7 +78,7 @@ class SwapFile:
         first = byte_offset // BLOCK_BYTES
         self.sums[first : first + sums.size] = sums
 
-    def check(self, data: torch.Tensor, byte_offset: int, what: str) -> None:
+    def check(self, data: torch.Tensor, byte_offset: int) -> None:
         """Raise a SwapError unless `data`, read from `byte_offset`, is what was last written there."""
         sums = tensor_block_sums(data)
         first = byte_offset // BLOCK_BYTES
@@ -81,30 +86,29 @@ class SwapFile:
         if damaged:
             end = byte_offset + data.nbytes
             raise SwapError(
-                f"the swap disk returned damaged data for {what} in {self.path}, bytes {byte_offset:,}-{end:,} "
+                f"the swap disk returned damaged data for {self.holds} in {self.path}, bytes {byte_offset:,}-{end:,} "
                 f"({damaged} of its {sums.size} 4 KiB blocks differ from what was written); training stopped and the "
                 "last checkpoint is intact; check or replace the swap disk and resume from that checkpoint"
             )
 
 
 class IoSlot:
-    """One locked buffer of `numel` fp32 elements with its own read and write handles; `what`
-    names the swapped state in errors. Every read is checked when it is finished."""
+    """One locked buffer of `numel` fp32 elements with its own read and write handles. Every read
+    is checked when it is finished."""
 
-    def __init__(self, aio: AioConfig, numel: int, what: str) -> None:
+    def __init__(self, aio: AioConfig, numel: int) -> None:
         settings = aio.handle_settings()
         self.reader, self.writer = aio_handle(**settings), aio_handle(**settings)
         self.buffer = self.reader.new_cpu_locked_tensor(numel, torch.empty(0, dtype=torch.float32))
-        self.what = what
         self.reads: list[tuple[torch.Tensor, SwapFile, int]] = []  # in flight, checked by finish_read
-        self.writing = False
+        self.writing: list[SwapFile] = []  # in flight, waited for by finish_write
 
     def _transfer(self, call: Callable[..., Any], tensor: torch.Tensor, file: SwapFile, byte_offset: int) -> None:
         """Run one read or write call of this slot's handles, turning an OSError into a SwapError."""
         try:
             call(tensor, file.path, byte_offset)
         except OSError as error:
-            raise swap_failed(self.what, error) from None
+            raise swap_failed([file], error) from None
 
     def start_read(self, tensor: torch.Tensor, file: SwapFile, byte_offset: int = 0) -> None:
         self._transfer(self.reader.async_pread, tensor, file, byte_offset)
@@ -112,7 +116,7 @@ class IoSlot:
 
     def start_write(self, tensor: torch.Tensor, file: SwapFile, byte_offset: int = 0) -> None:
         self._transfer(self.writer.async_pwrite, tensor, file, byte_offset)
-        self.writing = True
+        self.writing.append(file)
         file.record(tensor, byte_offset)  # while the disk writes
 
     def write(self, tensor: torch.Tensor, file: SwapFile, byte_offset: int = 0) -> None:
@@ -125,19 +129,19 @@ class IoSlot:
         takes a while), and check what they brought."""
         reads, self.reads = self.reads, []
         if reads:
-            self._wait(self.reader)
+            self._wait(self.reader, [file for _, file, _ in reads])
         if before_check is not None:
             before_check()
         for tensor, file, byte_offset in reads:
-            file.check(tensor, byte_offset, self.what)
+            file.check(tensor, byte_offset)
 
     def finish_write(self) -> None:
-        if self.writing:
-            self.writing = False
-            self._wait(self.writer)
+        writing, self.writing = self.writing, []
+        if writing:
+            self._wait(self.writer, writing)
 
-    def _wait(self, handle: aio_handle) -> None:
+    def _wait(self, handle: aio_handle, files: list[SwapFile]) -> None:
         try:
             handle.wait()
         except OSError as error:
-            raise swap_failed(self.what, error) from None
+            raise swap_failed(files, error) from None

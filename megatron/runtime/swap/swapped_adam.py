@@ -86,7 +86,7 @@ class SwappedAdam(CPUAdam):
             store = stores.get(param)
             bounds = self._bounds(param.numel(), store.resident if store is not None else param.numel())
             self.sub_groups[param] = [
-                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp", 8 * (hi - lo)), store)
+                SubGroup(index, lo, hi, self.folder.file(f"p{index}_s{number}.swp", 8 * (hi - lo), WHAT), store)
                 for number, (lo, hi) in enumerate(itertools.pairwise(bounds))
             ]
         sub_groups = [g for groups in self.sub_groups.values() for g in groups]
@@ -95,7 +95,7 @@ class SwappedAdam(CPUAdam):
         # a ring longer than the sub-groups would hold locked memory that never gets used
         ring = max(1, min(self.offload.buffer_count, len(sub_groups)))
         size = 3 * largest if stores else 2 * largest
-        self.slots = [IoSlot(self.aio, size, WHAT) for _ in range(ring)]
+        self.slots = [IoSlot(self.aio, size) for _ in range(ring)]
         if not self.offload.fast_init:
             zeros = self.slots[0].buffer
             zeros.zero_()
