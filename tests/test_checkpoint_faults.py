@@ -1,7 +1,8 @@
 """Faults around checkpoints, injected for real: SIGKILL at every step of the save protocol (twice
 in a row), bit flips in every file kind, a damaged or missing `latest`, a full disk, checkpoints
-saved before manifests existed."""
+saved before manifests existed, a manifest deleted from a checkpoint that had one."""
 
+import json
 import multiprocessing
 import os
 import signal
@@ -14,7 +15,8 @@ import torch
 import megatron.checkpoint.iterations as iterations_module
 import megatron.checkpoint.save as save_module
 from megatron.checkpoint.iterations import read_latest
-from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
+from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MANIFEST_FILE
+from megatron.checkpoint.manifest import MANIFEST_WRITER_KEYS
 from megatron.errors import CheckpointError
 from megatron.parallel import single_process_grid
 from megatron.training.loop import Trainer
@@ -259,10 +261,33 @@ def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, smal
     assert resumed.iteration == 2
 
 
+def _as_saved_before_manifests(folder: Path) -> None:
+    """No manifest, and none of the keys engine.json has held since manifests were written."""
+    (folder / MANIFEST_FILE).unlink()
+    meta = json.loads((folder / ENGINE_FILE).read_text())
+    (folder / ENGINE_FILE).write_text(
+        json.dumps({key: value for key, value in meta.items() if key not in MANIFEST_WRITER_KEYS}, indent=1)
+    )
+
+
+def test_a_deleted_manifest_is_refused_naming_the_folder_and_the_older_checkpoint(corpus, tmp_path):
+    folder = _saved_run(corpus, tmp_path / "ckpt")
+    (folder / "iter_0000004" / MANIFEST_FILE).unlink()
+    with pytest.raises(CheckpointError) as refused:
+        Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+    assert str(refused.value) == (
+        f"checkpoint iteration 4 is damaged: {folder / 'iter_0000004'} has no manifest.json although the version "
+        "that saved it writes one, so its files cannot be verified; put back its manifest.json from a copy of the "
+        "folder; load iteration 2 instead with --ckpt-step 2"
+    )
+    (folder / LATEST_FILE).unlink()  # the newest folder that verifies is iteration 2
+    assert Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE).iteration == 2
+
+
 def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(corpus, tmp_path, capsys):
     folder = _saved_run(corpus, tmp_path / "ckpt")
     for iteration in ("iter_0000002", "iter_0000004"):
-        (folder / iteration / MANIFEST_FILE).unlink()  # as an earlier version saved them
+        _as_saved_before_manifests(folder / iteration)
     capsys.readouterr()
     resumed = Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
     assert resumed.iteration == 4 and "has no manifest.json (saved by an earlier version)" in capsys.readouterr().out

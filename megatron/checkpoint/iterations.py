@@ -5,7 +5,8 @@ On load the directory is put right first (what a crash left: a `.tmp` folder is 
 `.old` folder whose replacement never arrived is put back), then the iteration to resume from is
 chosen: `--ckpt-step N`, else `latest`, else (missing or garbage `latest`) the newest folder that
 verifies, with a log line saying so. A damaged checkpoint is refused with one sentence naming the
-file and the newest intact older iteration to load instead.
+file and the newest intact older iteration to load instead, and one whose model differs from the
+run's where it matters with one sentence naming the field (model_config.py).
 """
 
 import shutil
@@ -24,8 +25,10 @@ from megatron.checkpoint.layout import (
     tag_iteration,
 )
 from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.model_config import check_model_config
 from megatron.checkpoint.verify import DamagedCheckpoint, verify_folder
 from megatron.errors import CheckpointError
+from megatron.model.config import GPTConfig
 from megatron.parallel import ParallelGrid
 
 Log = Callable[[str], None]
@@ -126,9 +129,23 @@ def resume_iteration(
     ckpt_step: int | None,
     train_iters: int | None,
     log: Log,
+    model: GPTConfig | None = None,
+    weights_only: bool = False,
 ) -> int | None:
     """The verified iteration to resume from, or None to start from scratch; `train_iters` (None:
-    no limit) is where the run ends. Every rank calls it."""
+    no limit) is where the run ends. With `model` (the run's, its vocabulary padded) the
+    checkpoint's model is compared with it first, `weights_only` for a run that loads the weights
+    alone (--reset-iteration). Every rank calls it."""
+    iteration = _verified_iteration(load_dir, grid, ckpt_step, log)
+    if iteration is None:
+        return None
+    _within(iteration, train_iters, load_dir)
+    if model is not None:
+        check_model_config(Path(load_dir) / iteration_tag(iteration), model, weights_only, log)
+    return iteration
+
+
+def _verified_iteration(load_dir: str, grid: ParallelGrid, ckpt_step: int | None, log: Log) -> int | None:
     if not Path(load_dir).is_dir():
         if ckpt_step is not None:
             raise CheckpointError(
@@ -165,7 +182,7 @@ def resume_iteration(
                     f"{problem} and no checkpoint folder in {load_dir} is intact; start afresh in another --save folder"
                 )
             log(f" > {problem}: resuming from the newest intact checkpoint, iteration {iteration}")
-            return _within(iteration, train_iters, load_dir)
+            return iteration
     try:
         manifest = verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
     except DamagedCheckpoint as error:
@@ -175,13 +192,12 @@ def resume_iteration(
             f" > {Path(load_dir) / iteration_tag(iteration)} has no {MANIFEST_FILE} (saved by an earlier version): "
             "loading it without verifying its files"
         )
-    return _within(iteration, train_iters, load_dir)
+    return iteration
 
 
-def _within(iteration: int, train_iters: int | None, load_dir: str) -> int:
+def _within(iteration: int, train_iters: int | None, load_dir: str) -> None:
     if train_iters is not None and iteration > train_iters:
         raise CheckpointError(
             f"the checkpoint to resume in {load_dir} is at iteration {iteration}, beyond --train-iters {train_iters}; "
             "raise the training length or pick an earlier checkpoint with --ckpt-step"
         )
-    return iteration

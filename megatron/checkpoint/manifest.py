@@ -16,6 +16,13 @@ from megatron.checkpoint.layout import MANIFEST_FILE
 from megatron.errors import CheckpointError
 
 FORMAT_VERSION = 1
+# engine.json's record that the checkpoint's writer wrote a manifest too, so that one missing was
+# deleted and the folder is refused; one without any of these keys was saved before manifests
+# existed and loads unverified. Besides the mark (every save since it was added):
+# tensor_parallel_splits (every training save since tensor-parallel checkpoints, which came after
+# manifests) and weights_only (the Hugging Face importer, which wrote a manifest from the start).
+MANIFEST_MARK = "manifest_format"
+MANIFEST_WRITER_KEYS = (MANIFEST_MARK, "tensor_parallel_splits", "weights_only")
 
 
 class _Record(BaseModel):

@@ -31,6 +31,7 @@ from megatron.checkpoint.durable import fsync_path, replace_durably
 from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
 from megatron.checkpoint.manifest import (
     FORMAT_VERSION,
+    MANIFEST_MARK,
     FileRecord,
     Manifest,
     RunRecord,
@@ -144,7 +145,7 @@ def _write_rank_files(folder: Path, state: EngineState) -> tuple[dict[str, FileR
         writer.tensors(MODEL, rank, state.model)
         writer.tensors(OPTIMIZER, rank, state.optimizer)
         if state.meta is not None:
-            writer.text(ENGINE_FILE, json.dumps(state.meta, indent=1))
+            writer.text(ENGINE_FILE, json.dumps({**state.meta, MANIFEST_MARK: FORMAT_VERSION}, indent=1))
         return writer.records(), None
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         writer.pool.shutdown(cancel_futures=True)

@@ -1,13 +1,14 @@
 """Checking a checkpoint folder before anything is read from it: its manifest, then every file's
 size and checksum (the ranks share the files), agreed by all ranks. A folder saved before manifests
-existed is accepted as it is, with its engine.json read as carefully."""
+existed is accepted as it is, with its engine.json read as carefully; one whose engine.json says
+its writer wrote a manifest (manifest.MANIFEST_WRITER_KEYS) is refused without it."""
 
 import json
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpoint.layout import ENGINE_FILE
-from megatron.checkpoint.manifest import Manifest, file_problem, read_manifest
+from megatron.checkpoint.layout import ENGINE_FILE, MANIFEST_FILE
+from megatron.checkpoint.manifest import MANIFEST_WRITER_KEYS, Manifest, file_problem, read_manifest
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
 
@@ -28,6 +29,11 @@ def verify_folder(folder: Path, grid: ParallelGrid) -> Manifest | None:
             raise DamagedCheckpoint(
                 f"{folder} has neither a manifest nor {ENGINE_FILE}: it is not a complete checkpoint"
             )
+        if _wrote_manifest(folder / ENGINE_FILE):
+            raise DamagedCheckpoint(
+                f"{folder} has no {MANIFEST_FILE} although the version that saved it writes one, so its files "
+                f"cannot be verified; put back its {MANIFEST_FILE} from a copy of the folder"
+            )
         return None
     names = sorted(manifest.files)[grid.rank :: grid.world_size]
     problems = [problem for name in names if (problem := file_problem(folder, name, manifest.files[name]))]
@@ -35,6 +41,15 @@ def verify_folder(folder: Path, grid: ParallelGrid) -> Manifest | None:
     if found:
         raise DamagedCheckpoint(found[0])
     return manifest
+
+
+def _wrote_manifest(engine_file: Path) -> bool:
+    """Whether engine.json records a writer of manifests (a damaged one is left to its reader)."""
+    try:
+        meta = json.loads(engine_file.read_bytes())
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and any(key in meta for key in MANIFEST_WRITER_KEYS)
 
 
 def read_engine_meta(folder: Path) -> dict[str, Any]:

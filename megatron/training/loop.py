@@ -136,6 +136,8 @@ class Trainer:
                 ckpt.ckpt_step if self.load_dir == ckpt.load else None,
                 None if ckpt.reset_iteration else t.train_iters,
                 self.log.info,
+                model=self.model_config,  # the checkpoint's model compared with this one's, field by field
+                weights_only=ckpt.reset_iteration,
             )
             if self.load_dir
             else None
