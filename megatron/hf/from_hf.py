@@ -8,13 +8,14 @@ training. The vocabulary keeps the checkpoint's rows: --make-vocab-size-divisibl
 that our padding of the tokenizer's vocabulary gives exactly that many (the largest power of two
 up to 128 that does, else the row count itself). Tensors keep their dtype unless --dtype says
 otherwise (our training keeps fp32 weights and reads any dtype), so hf -> ours -> hf is
-bit-identical.
+bit-identical. Before anything is written every tensor is checked there and of the shape
+config.json calls for (source_shapes.py), and the disk for room; --save is then written as
+new_folder.py says (all of it or nothing), a NaN or an infinity in a weight refused.
 """
 
 import json
 import re
 import shlex
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -22,30 +23,34 @@ from typing import Any
 
 import torch
 
+from megatron.checkpoint.layout import iteration_tag
 from megatron.checkpoint.manifest import RunRecord
 from megatron.config.flags import build_parser, model_config_from_args
 from megatron.data.tokenizer import padded_vocab_size
 from megatron.errors import CheckpointError, ConfigError
 from megatron.hf.architectures import Spec, choose_spec, flags_from_hf, moe_layout
 from megatron.hf.link_runner import LinkRunner, plan
-from megatron.hf.our_checkpoint import check_entries, expected_entries, write_weights_checkpoint
+from megatron.hf.new_folder import FILE_ALLOWANCE, new_folder, refuse_existing_target
+from megatron.hf.our_checkpoint import checkpoint_bytes, expected_entries, write_weights_checkpoint
 from megatron.hf.routing import routing_of
-from megatron.hf.safetensors_io import TensorIndex
-from megatron.hf.tensor_maps import model_links
-from megatron.hf.tokenizer_files import import_tokenizer
+from megatron.hf.safetensors_io import INDEX_FILE, Planned, TensorIndex
+from megatron.hf.source_shapes import refuse_wrong_shapes
+from megatron.hf.tensor_maps import Link, model_links
+from megatron.hf.tokenizer_files import ImportedTokenizer, copy_tokenizer_files, import_tokenizer
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig
 
 Log = Callable[[str], None]
+TOKENIZER_FOLDER = "tokenizer"  # in --save: the copies of the tokenizer files
 # tensors a Hugging Face checkpoint may hold that no model computes with: GPT-2's attention-mask
 # buffers, rotary tables saved by old versions, multi-token-prediction layers past the last layer
 IGNORED = (re.compile(r".*\.attn\.(masked_)?bias"), re.compile(r".*rotary_emb\.inv_freq"))
 
 
 def weight_files(hf_dir: Path) -> list[Path]:
-    index = hf_dir / "model.safetensors.index.json"
+    index = hf_dir / INDEX_FILE
     if index.is_file():
-        files = [hf_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files = [hf_dir / name for name in sorted(set(read_weight_map(index).values()))]
         missing = [path for path in files if not path.is_file()]
         if missing:
             raise CheckpointError(f"{missing[0]} is missing, though {index.name} names it; give the whole folder")
@@ -59,6 +64,19 @@ def weight_files(hf_dir: Path) -> list[Path]:
             "(nothing here is unpickled); save the model with save_pretrained(safe_serialization=True)"
         )
     raise CheckpointError(f"{hf_dir} holds no safetensors weights; give the folder save_pretrained wrote")
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The weight_map (tensor name -> file name) of a model.safetensors.index.json."""
+    fix = "replace it with the one save_pretrained wrote beside the shards"
+    try:
+        content = json.loads(index.read_bytes())
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{index} is not JSON ({error}); {fix}") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to file names; {fix}")
+    return weight_map
 
 
 def vocab_divisor(tokens: int, rows: int) -> int:
@@ -131,26 +149,43 @@ class Imported:
     flags: list[str]  # pretrain_gpt.py's flags for the model and its tokenizer
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """What an import writes, worked out (and checked) before anything is."""
+
+    links: list[Link]
+    planned: list[Planned]
+    tokenizer: ImportedTokenizer
+    flags: list[str]
+    client_state: dict[str, Any]
+    run: RunRecord
+
+
 def import_from_hf(
     hf_dir: str, save: str, ep_size: int = 1, dtype: torch.dtype | None = None, log: Log = print
 ) -> Imported:
-    """Convert the Hugging Face folder `hf_dir` into the new checkpoint directory `save`."""
+    """Convert the Hugging Face folder `hf_dir` into the new checkpoint directory `save`, written
+    as new_folder.py says (all of it or nothing; a NaN or an infinity in a weight is refused)."""
     source, target = Path(hf_dir), Path(save)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(
-            f"--save {target} already exists and is not an empty folder; give a new folder, so that "
-            "nothing is overwritten"
-        )
+    refuse_existing_target(target)
     hf = read_hf_config(source)
     spec, model_flags = flags_from_hf(hf, str(source))
     with TensorIndex(weight_files(source)) as index:
-        try:
-            folder, flags, note = _convert(source, target, hf, spec, model_flags, index, ep_size, dtype)
-        except BaseException:
-            shutil.rmtree(target, ignore_errors=True)
-            raise
-    if note:
-        log(f" > note: {note}")
+        conversion = plan_import(source, target, hf, spec, model_flags, index, ep_size, dtype)
+        tokenizer = conversion.tokenizer
+        needed = checkpoint_bytes(conversion.planned) + tokenizer.nbytes + FILE_ALLOWANCE * len(tokenizer.files)
+        refusal = (
+            f"so {source} was not imported; replace the file with an intact copy, or repair the model and save it again"
+        )
+        runner = LinkRunner(conversion.links, False, index, dtype, refusal)
+        with new_folder(target, needed, "the import", log) as staging:
+            copy_tokenizer_files(tokenizer, staging / TOKENIZER_FOLDER)
+            write_weights_checkpoint(
+                staging, conversion.planned, runner, conversion.client_state, conversion.run, ep_size
+            )
+    folder, flags = target / iteration_tag(0), conversion.flags
+    if tokenizer.note:
+        log(f" > note: {tokenizer.note}")
     log(
         f" > imported {source} ({spec.name}) into {folder}; continue pretraining with these flags and your data, "
         f"batch and schedule flags:\n{shlex.join(flags)} --load {shlex.quote(str(target))}"
@@ -158,7 +193,7 @@ def import_from_hf(
     return Imported(folder, flags)
 
 
-def _convert(
+def plan_import(
     source: Path,
     target: Path,
     hf: Any,
@@ -167,9 +202,11 @@ def _convert(
     index: TensorIndex,
     ep_size: int,
     dtype: torch.dtype | None,
-) -> tuple[Path, list[str], str | None]:
+) -> Conversion:
+    """Everything the import of `source` into `target` writes, checked: the tokenizer, the model
+    flags, every tensor there and of the shape config.json calls for. Nothing is written."""
     rows = hf.vocab_size
-    tokenizer = import_tokenizer(source, target / "tokenizer", rows)
+    tokenizer = import_tokenizer(source, target / TOKENIZER_FOLDER, rows)
     ours = tokenizer.tokenizer
     if ours.vocab_size > rows:
         raise CheckpointError(
@@ -206,13 +243,7 @@ def _convert(
             f"{source} holds {unused[0]}, which a {spec.name} model of its config.json does not "
             "use; give the folder of one model as save_pretrained wrote it"
         )
-    planned = plan(links, False, index.info, dtype)
-    check_entries(
-        {entry.name: entry.info for entry in planned},
-        expected_entries(config),
-        str(source),
-        "its tensors do not fit its config.json",
-    )
+    refuse_wrong_shapes(links, expected_entries(config), index, source, hf)
     model_config = asdict(config)
     client = {
         "iteration": 0,
@@ -234,5 +265,4 @@ def _convert(
             "vocab_size": ours.vocab_size,
         },
     )
-    folder = write_weights_checkpoint(target, planned, LinkRunner(links, False, index, dtype), client, run, ep_size)
-    return folder, flags, tokenizer.note
+    return Conversion(links, plan(links, False, index.info, dtype), tokenizer, flags, client, run)

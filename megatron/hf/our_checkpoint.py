@@ -6,24 +6,24 @@ The checkpoint is `SAVE/iter_0000000/` with `latest` naming it: model_rank00000*
 client state holds the model config and the flags (as a training run's does, so load_model and
 tools/generate.py read it), and the manifest with every file's size and checksum. It has no
 optimizer or RNG state: training continues from it with `--load SAVE` (the optimizer starts afresh; or
-`--reset-iteration`), under any ZeRO stage and expert-parallel size.
+`--reset-iteration`), under any ZeRO stage and expert-parallel size. The importer writes it into
+the staging folder of new_folder.py, renamed into place whole, so it needs no staging of its own.
 """
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron.checkpoint.durable import fsync_path, replace_durably, write_text_durably
-from megatron.checkpoint.iterations import holds_checkpoints
-from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file, staging_folder
+from megatron.checkpoint.durable import fsync_path, write_text_durably
+from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file
 from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
 from megatron.checkpoint.save import PART_BYTES
 from megatron.checkpoint.tensors import expert_ids, global_entries, pack_by_size
 from megatron.errors import CheckpointError
+from megatron.hf.new_folder import FILE_ALLOWANCE
 from megatron.hf.safetensors_io import Planned, TensorInfo, write_file
 from megatron.model import GPTConfig, GPTModel
 
@@ -52,11 +52,11 @@ def check_entries(found: dict[str, TensorInfo], expected: dict[str, tuple[int, .
             )
 
 
-def refuse_existing_checkpoints(save: Path) -> None:
-    if holds_checkpoints(str(save)):
-        raise CheckpointError(
-            f"--save {save} already holds checkpoints; give an empty or new folder, so that nothing is overwritten"
-        )
+def checkpoint_bytes(planned: list[Planned]) -> int:
+    """About as many bytes as `write_weights_checkpoint` writes, generously: the tensors, a header
+    entry for each, engine.json, the manifest and `latest`."""
+    parts = len(pack_by_size(planned, lambda entry: entry.info.nbytes, PART_BYTES))
+    return sum(entry.info.nbytes for entry in planned) + 256 * len(planned) + FILE_ALLOWANCE * (parts + 3)
 
 
 def write_weights_checkpoint(
@@ -67,51 +67,42 @@ def write_weights_checkpoint(
     run: RunRecord,
     ep_size: int,
 ) -> Path:
-    """Write `SAVE/iter_0000000/` (staged, then renamed into place) and move `latest` to it."""
-    refuse_existing_checkpoints(save)
-    final = save / iteration_tag(0)
-    staging = staging_folder(final)
-    save.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        files: dict[str, FileRecord] = {}
-        for part, entries in enumerate(pack_by_size(planned, lambda entry: entry.info.nbytes, PART_BYTES)):
-            name = rank_file(MODEL, 0, part)
-            size, checksum = write_file(staging / name, entries, produce)
-            files[name] = FileRecord(size=size, checksum=checksum)
-        engine = {
-            "global_steps": 0,
-            "micro_steps": 0,
-            "skipped_steps": 0,
-            "optimizer_groups": [],
-            "lr_scheduler": None,
-            "loss_scaler": None,
-            "client_state": client_state,
-            "dp_size": 1,
-            "ep_size": ep_size,
-            "weights_only": True,
-        }
-        (staging / ENGINE_FILE).write_text(json.dumps(engine, indent=1))
-        fsync_path(staging / ENGINE_FILE)
-        files[ENGINE_FILE] = file_record(staging / ENGINE_FILE)
-        write_manifest(
-            staging,
-            Manifest(
-                format_version=FORMAT_VERSION,
-                run=run,
-                world_size=1,
-                data_parallel_size=1,
-                expert_parallel_size=ep_size,
-                zero_stage=0,
-                precision="fp32",
-                files=dict(sorted(files.items())),
-            ),
-        )
-        fsync_path(staging)
-        replace_durably(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    """Write `SAVE/iter_0000000/` into the new, empty folder `save` and point `latest` at it."""
+    folder = save / iteration_tag(0)
+    folder.mkdir()
+    files: dict[str, FileRecord] = {}
+    for part, entries in enumerate(pack_by_size(planned, lambda entry: entry.info.nbytes, PART_BYTES)):
+        name = rank_file(MODEL, 0, part)
+        size, checksum = write_file(folder / name, entries, produce)
+        files[name] = FileRecord(size=size, checksum=checksum)
+    engine = {
+        "global_steps": 0,
+        "micro_steps": 0,
+        "skipped_steps": 0,
+        "optimizer_groups": [],
+        "lr_scheduler": None,
+        "loss_scaler": None,
+        "client_state": client_state,
+        "dp_size": 1,
+        "ep_size": ep_size,
+        "weights_only": True,
+    }
+    (folder / ENGINE_FILE).write_text(json.dumps(engine, indent=1))
+    fsync_path(folder / ENGINE_FILE)
+    files[ENGINE_FILE] = file_record(folder / ENGINE_FILE)
+    write_manifest(
+        folder,
+        Manifest(
+            format_version=FORMAT_VERSION,
+            run=run,
+            world_size=1,
+            data_parallel_size=1,
+            expert_parallel_size=ep_size,
+            zero_stage=0,
+            precision="fp32",
+            files=dict(sorted(files.items())),
+        ),
+    )
+    fsync_path(folder)
     write_text_durably(save / LATEST_FILE, "0\n")
-    return final
+    return folder

@@ -40,6 +40,8 @@ DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
+# what save_pretrained writes beside the shards of a model in several files
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)

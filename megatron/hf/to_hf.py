@@ -5,12 +5,12 @@ most --max-shard-size with model.safetensors.index.json), converted one tensor a
 
 The vocabulary keeps its padded rows (--make-vocab-size-divisible-by): config.json's vocab_size
 is the embedding's, larger than the tokenizer's, as in GPT-NeoX's and Qwen's own checkpoints, so
-the logits are ours to the last column. The folder is written as SAVE.tmp and renamed at the end.
+the logits are ours to the last column. The folder is written as new_folder.py says: the disk
+checked for every file up front, SAVE.tmp renamed at the end. A NaN or an infinity is refused.
 """
 
 import importlib.util
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,11 +22,12 @@ from megatron.data.tokenizer import Tokenizer
 from megatron.errors import CheckpointError
 from megatron.hf.architectures import choose_spec, hf_config
 from megatron.hf.link_runner import LinkRunner, plan
+from megatron.hf.new_folder import FILE_ALLOWANCE, new_folder, refuse_existing_target
 from megatron.hf.our_checkpoint import check_entries, expected_entries
-from megatron.hf.safetensors_io import TensorIndex, write_file
+from megatron.hf.safetensors_io import INDEX_FILE, Planned, TensorIndex, write_file
 from megatron.hf.tensor_maps import model_links
 from megatron.hf.tokenizer_check import compare, probe_texts, training_texts
-from megatron.hf.tokenizer_files import export_tokenizer
+from megatron.hf.tokenizer_files import export_tokenizer, exported_tokenizer_bytes
 from megatron.inference.checkpoint_model import (
     TOKENIZER_FILE_FLAGS,
     checkpoint_folder,
@@ -38,28 +39,17 @@ from megatron.inference.mode import inference_config
 from megatron.parallel import single_process_grid
 
 Log = Callable[[str], None]
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def shard_name(index: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def refuse_existing_target(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(
-            f"--save {out} already exists and is not an empty folder; give a new folder, so that nothing is overwritten"
-        )
-
-
-def refuse_small_disk(out: Path, needed: int) -> None:
-    existing = next(parent for parent in (out, *out.parents) if parent.exists())
-    free = shutil.disk_usage(existing).free
-    if needed > free:
-        raise CheckpointError(
-            f"the export needs about {needed:,} bytes but {existing}'s disk has {free:,} free; "
-            "free space or give --save on a larger disk"
-        )
+def weight_map(shards: list[list[Planned]]) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map: each tensor's file."""
+    return dict(
+        sorted((entry.name, shard_name(number, len(shards))) for number, shard in enumerate(shards) for entry in shard)
+    )
 
 
 def export_to_hf(
@@ -92,11 +82,21 @@ def export_to_hf(
         links = model_links(config, spec.family, spec.model_type, dtype or index.info["word_embeddings.weight"].dtype)
         shards = pack_by_size(plan(links, True, index.info, dtype), lambda entry: entry.info.nbytes, max_shard_bytes)
         total = sum(entry.info.nbytes for shard in shards for entry in shard)
-        refuse_small_disk(out, total)
-        staging = out.with_name(out.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        try:
+        index_text = (
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map(shards)}, indent=2) + "\n"
+            if len(shards) > 1
+            else ""
+        )
+        needed = (
+            total
+            + exported_tokenizer_bytes(flags["tokenizer_type"], files, tokenizer)
+            + len(index_text)
+            + FILE_ALLOWANCE * (len(shards) + 4)  # config.json, tokenizer_config.json, tokenizer.json, the index
+        )
+        runner = LinkRunner(
+            links, True, index, dtype, f"so {folder} was not exported; export another iteration (--ckpt-step)"
+        )
+        with new_folder(out, needed, "the export", log) as staging:
             tokens = export_tokenizer(
                 flags["tokenizer_type"], files, tokenizer, staging, config.max_position_embeddings
             )
@@ -105,28 +105,11 @@ def export_to_hf(
             (staging / "config.json").write_text(
                 json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n"
             )
-            runner = LinkRunner(links, True, index, dtype)
             for number, shard in enumerate(shards):
                 write_file(staging / shard_name(number, len(shards)), shard, runner, metadata={"format": "pt"})
                 log(f" > wrote {shard_name(number, len(shards))} ({sum(e.info.nbytes for e in shard):,} bytes)")
-            if len(shards) > 1:
-                weight_map = {
-                    entry.name: shard_name(number, len(shards))
-                    for number, shard in enumerate(shards)
-                    for entry in shard
-                }
-                (staging / INDEX_FILE).write_text(
-                    json.dumps(
-                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
-                    )
-                    + "\n"
-                )
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+            if index_text:
+                (staging / INDEX_FILE).write_text(index_text)
     log(
         f" > exported {folder} as {spec.name} ({spec.hf_class}, {total:,} bytes in {len(shards)} file"
         f"{'s' if len(shards) > 1 else ''}, vocabulary {config.vocab_size} rows for a tokenizer of "

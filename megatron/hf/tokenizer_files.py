@@ -126,6 +126,17 @@ def export_tokenizer(
     return {"bos_token_id": None, "eos_token_id": ours.eod}
 
 
+def exported_tokenizer_bytes(kind: str, files: dict[str, str | None], ours: Tokenizer) -> int:
+    """About as many bytes as `export_tokenizer` writes, generously, but for tokenizer_config.json:
+    the files it copies, and the tokenizer.json it builds, which is a few times the SentencePiece
+    model (its precompiled normalizer and pieces as JSON) or some 22 bytes an id (NullTokenizer)."""
+    if kind == "SentencePieceTokenizer":
+        return 5 * Path(files["tokenizer_model"]).stat().st_size
+    if kind == "GPT2BPETokenizer":
+        return sum(Path(files[name]).stat().st_size for name in ("vocab_file", "merge_file"))
+    return 32 * ours.vocab_size
+
+
 def null_tokenizer_size(hf_dir: Path) -> int | None:
     """The id count of a tokenizer.json that is a NullTokenizer as `export_tokenizer` writes it
     ("0" -> 0, ..., end of document the last id), else None."""
@@ -145,34 +156,46 @@ def null_tokenizer_size(hf_dir: Path) -> int | None:
 
 @dataclass(frozen=True)
 class ImportedTokenizer:
-    flags: list[str]  # ours, for pretrain_gpt.py
+    flags: list[str]  # ours, for pretrain_gpt.py, naming the copies of `files` in the destination
     tokenizer: Tokenizer
     note: str | None  # what the user should know (no equivalent, or a difference)
+    files: tuple[Path, ...] = ()  # of the Hugging Face folder, for copy_tokenizer_files
+
+    @property
+    def nbytes(self) -> int:
+        return sum(path.stat().st_size for path in self.files)
 
 
 def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedTokenizer:
-    """Our tokenizer for the Hugging Face folder `hf_dir`, its files copied into `dest`."""
+    """Our tokenizer for the Hugging Face folder `hf_dir`, read from its files; its flags name
+    their copies in `dest`, which copy_tokenizer_files makes (nothing is written here)."""
+
+    def copy_of(name: str) -> str:
+        return str((dest / name).resolve())
+
     imported, problem = None, None
     try:
         if (hf_dir / "tokenizer.model").is_file():
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(hf_dir / "tokenizer.model", dest / "tokenizer.model")
-            model = str((dest / "tokenizer.model").resolve())
             imported = (
-                ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model],
-                SentencePieceTokenizer(model),
+                ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", copy_of("tokenizer.model")],
+                SentencePieceTokenizer(str(hf_dir / "tokenizer.model")),
+                (hf_dir / "tokenizer.model",),
             )
         elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in ("vocab.json", "merges.txt"):
-                shutil.copyfile(hf_dir / name, dest / name)
-            vocab, merges = str((dest / "vocab.json").resolve()), str((dest / "merges.txt").resolve())
             imported = (
-                ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
-                GPT2BPETokenizer(vocab, merges),
+                [
+                    "--tokenizer-type",
+                    "GPT2BPETokenizer",
+                    "--vocab-file",
+                    copy_of("vocab.json"),
+                    "--merge-file",
+                    copy_of("merges.txt"),
+                ],
+                GPT2BPETokenizer(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")),
+                (hf_dir / "vocab.json", hf_dir / "merges.txt"),
             )
         elif (ids := null_tokenizer_size(hf_dir)) is not None:
-            imported = (["--tokenizer-type", "NullTokenizer", "--vocab-size", str(ids)], NullTokenizer(ids))
+            imported = (["--tokenizer-type", "NullTokenizer", "--vocab-size", str(ids)], NullTokenizer(ids), ())
     except DataError as error:
         problem = f"its tokenizer files are not ones this toolkit reads ({error})"
     if imported is None:
@@ -183,7 +206,7 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
             f"{hf_dir}: {problem}, so the checkpoint has a NullTokenizer over the model's {model_vocab} ids "
             f"(end of document {model_vocab - 1}): train it on data tokenized elsewhere, ids written as text",
         )
-    flags, tokenizer = imported
+    flags, tokenizer, files = imported
     note = None
     if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         try:
@@ -201,4 +224,12 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
                 f"{hf_dir}'s Hugging Face tokenizer and ours from the same files give the same ids and text on the "
                 f"probe texts but for the unknown piece, which it renders as {rendering}"
             )
-    return ImportedTokenizer(flags, tokenizer, note)
+    return ImportedTokenizer(flags, tokenizer, note, files)
+
+
+def copy_tokenizer_files(imported: ImportedTokenizer, dest: Path) -> None:
+    """Copy the files `imported` reads into `dest` (the flags name the copies where `dest` ends up)."""
+    if imported.files:
+        dest.mkdir(parents=True, exist_ok=True)
+    for path in imported.files:
+        shutil.copyfile(path, dest / path.name)
