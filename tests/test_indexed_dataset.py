@@ -14,19 +14,25 @@ from megatron.data.indexed_dataset import (
     best_fitting_dtype,
     dataset_exists,
 )
+from megatron.data.token_checksum import checksum_path
 from megatron.errors import DataError
 
 # Three documents; the second has two sequences (as a sentence-split corpus would).
 DOCUMENTS = [[[5, 6, 7]], [[1], [2, 3, 4, 9]], [[8, 8]]]
 
 
-def write_dataset(prefix, documents=DOCUMENTS, dtype=np.uint16):
+def write_dataset(prefix, documents=DOCUMENTS, dtype=np.uint16, checksum=False):
+    """PREFIX.bin/.idx as the builder writes them; without `checksum`, its PREFIX.checksum.json is
+    removed, as data preprocessed before checksums were recorded has none, so that the checks of
+    the files themselves (test_data_integrity.py) are tested alone."""
     builder = MMapIndexedDatasetBuilder(f"{prefix}.bin", dtype)
     for document in documents:
         for sequence in document:
             builder.add_item(sequence)
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
+    if not checksum:
+        os.remove(checksum_path(str(prefix)))
     return str(prefix)
 
 
@@ -106,6 +112,51 @@ def test_missing_files(tmp_path):
     os.remove(tmp_path / "d.bin")
     with pytest.raises(DataError, match="d.bin"):
         MMapIndexedDataset(str(tmp_path / "d"))
+
+
+# (data sets written, the prefix passed, the error's end); {t} is tmp_path
+WRONG_PREFIXES = {
+    "a .bin file": (["c_text_document"], "c_text_document.bin", "pass the prefix '{t}/c_text_document' instead."),
+    "an .idx file": (["c_text_document"], "c_text_document.idx", "pass the prefix '{t}/c_text_document' instead."),
+    "the --output-prefix": (
+        ["c_text_document", "c_title_document"],
+        "c",
+        "pass the prefix '{t}/c_text_document' instead.",
+    ),
+    "the --output-prefix of other keys": (
+        ["c_body_document", "c_title_document"],
+        "c",
+        "but '{t}/c_body_document', '{t}/c_title_document' beside it have their .bin and .idx "
+        "(one per --json-keys key of tools/preprocess_data.py); pass one of those prefixes instead.",
+    ),
+}
+
+
+@pytest.mark.parametrize("written, passed, ending", WRONG_PREFIXES.values(), ids=WRONG_PREFIXES)
+def test_a_wrong_prefix_names_the_data_set_beside_it(tmp_path, written, passed, ending):
+    """--data-path x_text_document.bin asked for x_text_document.bin.bin; a bare --output-prefix
+    did not point at OUTPUT_PREFIX_text_document (issue 29)."""
+    for name in written:
+        write_dataset(tmp_path / name)
+    with pytest.raises(DataError) as error:
+        MMapIndexedDataset(str(tmp_path / passed))
+    message = str(error.value)
+    assert message.startswith(f"no indexed dataset at prefix '{tmp_path / passed}'"), message
+    assert message.endswith(ending.format(t=tmp_path)), message
+    assert ".bin.bin" not in message, message
+
+
+@pytest.mark.parametrize("removed", ["bin", "idx"])
+def test_a_file_path_of_a_half_data_set_names_the_missing_half(tmp_path, removed):
+    write_dataset(tmp_path / "d")
+    os.remove(tmp_path / f"d.{removed}")
+    kept = "idx" if removed == "bin" else "bin"
+    with pytest.raises(DataError) as error:
+        MMapIndexedDataset(str(tmp_path / f"d.{kept}"))
+    assert str(error.value) == (
+        f"no indexed dataset at prefix '{tmp_path}/d.{kept}' (a data path is the prefix without .{kept}): "
+        f"{tmp_path}/d.{removed} is missing beside {tmp_path}/d.{kept}; produce both with tools/preprocess_data.py."
+    )
 
 
 def corrupt(path, transform):

@@ -60,7 +60,7 @@ def test_jsonl_with_two_workers(tmp_path):
         # An empty row is an empty document: a doc_idx entry and no sequence, as Megatron-LM writes it.
         assert dataset.doc_idx.tolist() == [0, *np.cumsum([bool(row[key]) for row in rows]).tolist()]
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
-        f"c_{k}_document.{e}" for k in ("text", "title") for e in ("bin", "idx")
+        f"c_{k}_document.{e}" for k in ("text", "title") for e in ("bin", "idx", "checksum.json")
     )
 
 

@@ -10,11 +10,12 @@ from safetensors.torch import load_file
 from megatron.checkpoint import tensors as state_io
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
-from megatron.errors import CheckpointError
+from megatron.errors import CheckpointError, DataError
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training import log as training_log
 from megatron.training.loop import Trainer, run_summary
 from tests.dist_utils import run_distributed
+from tests.test_data_integrity import flip_bit
 from tests.training_fixtures import tiny_config, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))
@@ -193,3 +194,14 @@ def test_two_data_parallel_ranks_equal_one(corpus):
     for name, value in single.items():
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_training_run_checks_its_data_unless_told_not_to(tmp_path):
+    """The flag reaches the data: a flipped token bit stops a run before its first step, and
+    --no-data-checksum trains on the data as it is."""
+    prefix = write_corpus(tmp_path)
+    flip_bit(f"{prefix}.bin", 1_000, 2)
+    with pytest.raises(DataError, match=r"\.bin changed since preprocessing"):
+        Trainer(tiny_config(prefix, train_iters=1, lr_warmup_iters=0), SINGLE)
+    trainer = Trainer(tiny_config(prefix, train_iters=1, lr_warmup_iters=0, no_data_checksum=True), SINGLE)
+    assert len(trainer.train().losses) == 1

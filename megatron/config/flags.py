@@ -54,6 +54,7 @@ class DataConfig:
     make_vocab_size_divisible_by: int
     num_workers: int
     eod_mask_loss: bool
+    data_checksum: bool = True  # check each data set against its PREFIX.checksum.json when opened
 
 
 @dataclass(frozen=True)
@@ -411,6 +412,13 @@ def build_parser(sizing: bool = False) -> FlagParser:
     )
     g.add_argument("--num-workers", type=non_negative_int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument(
+        "--no-data-checksum",
+        dest="data_checksum",
+        action="store_false",
+        help="open the data without reading it against the checksums preprocessing recorded beside it "
+        "(PREFIX.checksum.json)",
+    )
 
     g = parser.add_argument_group("training")
     g.add_argument(
@@ -714,6 +722,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss,
+        data_checksum=args.data_checksum,
     )
     training = TrainingConfig(
         seq_length=seq,

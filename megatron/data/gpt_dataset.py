@@ -21,6 +21,7 @@ import torch
 
 from megatron.data.blending import BlendedDataset, parse_weighted_prefixes
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.token_checksum import CHECKSUM_SUFFIX
 from megatron.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -370,13 +371,45 @@ class DataSplit:
     rounding: str
 
 
-def _split_sequences(prefix: str, split: DataSplit | None, split_index: int) -> tuple[MMapIndexedDataset, np.ndarray]:
+class _OpenedDatasets:
+    """Each data set opened (and its checksum checked) once per build, however many splits, blend
+    entries or spellings of its path ("d", "./d") name it."""
+
+    def __init__(self, verify_checksum: bool) -> None:
+        self.verify_checksum = verify_checksum
+        self.by_path: dict[str, MMapIndexedDataset] = {}
+
+    def open(self, prefix: str) -> MMapIndexedDataset:
+        path = os.path.realpath(prefix)
+        if path not in self.by_path:
+            self.by_path[path] = MMapIndexedDataset(prefix, verify_checksum=self.verify_checksum)
+        return self.by_path[path]
+
+    def log_unchecked(self) -> None:
+        """One line for all the data sets written before checksums were recorded, not one per file."""
+        unchecked = [d.path_prefix for d in self.by_path.values() if not d.checksum_verified]
+        if not self.verify_checksum or not unchecked:
+            return
+        named = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")
+        logger.warning(
+            "%d of %d data sets have no %s beside them (preprocessed before checksums were recorded), so their "
+            "tokens are not checked: %s; re-run tools/preprocess_data.py to record one",
+            len(unchecked),
+            len(self.by_path),
+            "PREFIX" + CHECKSUM_SUFFIX,
+            named,
+        )
+
+
+def _split_sequences(
+    opened: _OpenedDatasets, prefix: str, split: DataSplit | None, split_index: int
+) -> tuple[MMapIndexedDataset, np.ndarray]:
     """A data set and its sequences in one split (all of them when split is None).
 
     The split counts sequences, not documents, as Megatron-LM's GPT datasets do (old and current):
     a document without tokens (an empty row) has no sequence, so it moves no boundary.
     """
-    indexed = MMapIndexedDataset(prefix)
+    indexed = opened.open(prefix)
     first, last = 0, len(indexed)
     if split is not None:
         first, last = get_train_valid_test_split(split.splits_string, last, split.rounding)[
@@ -386,6 +419,7 @@ def _split_sequences(prefix: str, split: DataSplit | None, split_index: int) -> 
 
 
 def _build_dataset(
+    opened: _OpenedDatasets,
     name: str,
     data_prefix: list[str],
     split: DataSplit | None,
@@ -398,12 +432,12 @@ def _build_dataset(
     if num_samples == 0:
         return None
     if len(data_prefix) == 1:
-        indexed, documents = _split_sequences(data_prefix[0], split, split_index)
+        indexed, documents = _split_sequences(opened, data_prefix[0], split, split_index)
         if not len(documents):
             return None
         return GPTDataset(name, indexed, documents, num_samples, seq_length, seed, vocab_size)
     prefixes, weights = parse_weighted_prefixes(data_prefix)
-    weighted = [(*_split_sequences(p, split, split_index), w) for p, w in zip(prefixes, weights) if w > 0]
+    weighted = [(*_split_sequences(opened, p, split, split_index), w) for p, w in zip(prefixes, weights) if w > 0]
     kept = [(indexed, documents, w) for indexed, documents, w in weighted if len(documents)]
     if not kept:
         return None
@@ -429,6 +463,7 @@ def build_train_valid_test_datasets(
     test_data_prefix: list[str] | None = None,
     vocab_size: int | None = None,
     split_rounding: str = SPLIT_CUMULATIVE,
+    verify_checksum: bool = True,
 ) -> tuple[PretrainingDataset | None, PretrainingDataset | None, PretrainingDataset | None]:
     """(train, valid, test) datasets, each a GPTDataset, a BlendedDataset or None.
 
@@ -436,6 +471,8 @@ def build_train_valid_test_datasets(
     from `data_prefix` cut by `splits_string` with `split_rounding` (SPLIT_ROUNDINGS). Prefix lists
     are [p] or [w1, p1, w2, p2, ...].
     With `vocab_size`, every sample read is checked to hold only token ids in [0, vocab_size).
+    With `verify_checksum` (--no-data-checksum turns it off), each data set is read once against its
+    PREFIX.checksum.json when opened; those without one are named in one log line.
     """
     own_prefixes = (train_data_prefix, valid_data_prefix, test_data_prefix)
     if not data_prefix and not any(own_prefixes):
@@ -443,12 +480,16 @@ def build_train_valid_test_datasets(
             "no training data given; pass --data-path, or --train-data-path/--valid-data-path/--test-data-path."
         )
     split = DataSplit(splits_string, split_rounding)
+    opened = _OpenedDatasets(verify_checksum)
     datasets = []
     for index, (name, own, num_samples) in enumerate(zip(_SPLIT_NAMES, own_prefixes, train_valid_test_num_samples)):
         if own:
-            datasets.append(_build_dataset(name, own, None, index, num_samples, seq_length, seed, vocab_size))
+            datasets.append(_build_dataset(opened, name, own, None, index, num_samples, seq_length, seed, vocab_size))
         elif data_prefix:
-            datasets.append(_build_dataset(name, data_prefix, split, index, num_samples, seq_length, seed, vocab_size))
+            datasets.append(
+                _build_dataset(opened, name, data_prefix, split, index, num_samples, seq_length, seed, vocab_size)
+            )
         else:
             datasets.append(None)
+    opened.log_unchecked()
     return tuple(datasets)

@@ -13,14 +13,18 @@ sequence, so its entry repeats the next one (Megatron-LM's preprocessing writes 
 
 Opening checks the whole index in a few vectorised passes: an integer token dtype, the exact file
 sizes, sizes >= 0, pointers that follow the sizes from byte 0 to the end of .bin, and a doc_idx
-that runs from 0 to num_sequences without decreasing.
+that runs from 0 to num_sequences without decreasing. Then both files are checked against the
+checksums recorded beside them when they were written, in PREFIX.checksum.json (token_checksum.py),
+which Megatron-LM ignores; data written before that file existed opens without it.
 """
 
+import glob
 import os
 import struct
 
 import numpy as np
 
+from megatron.data.token_checksum import checksum_path, verify_checksums, write_checksums
 from megatron.errors import DataError
 
 _MAGIC = b"MMIDIDX\x00\x00"
@@ -76,6 +80,9 @@ class MMapIndexedDatasetBuilder:
     Tokens go to BIN.tmp and both files are renamed into place only by `finalize`, so a crash or
     an error never leaves a half-written data set under the final names (nor clobbers an old one).
     Use as a context manager to remove the temporary file when something fails before `finalize`.
+    `finalize` then records both files' checksums in PREFIX.checksum.json (PREFIX: the .idx path
+    without .idx), removing an older data set's one first: a crash between the renames leaves the
+    new data without a checksum file (it opens unchecked), never with the old data's checksums.
     """
 
     def __init__(self, bin_path: str, dtype: np.dtype, vocab_size: int | None = None) -> None:
@@ -122,8 +129,12 @@ class MMapIndexedDatasetBuilder:
             f.write(sizes.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.tobytes(order="C"))
+        prefix = idx_path.removesuffix(".idx")
+        if os.path.isfile(checksum_path(prefix)):
+            os.remove(checksum_path(prefix))
         os.replace(self._tmp_path, self._bin_path)
         os.replace(tmp_idx, idx_path)
+        write_checksums(prefix, self._bin_path, idx_path)
 
     def __enter__(self) -> "MMapIndexedDatasetBuilder":
         return self
@@ -203,20 +214,76 @@ def _check_index_arrays(
     return int(ends[-1])
 
 
-class MMapIndexedDataset:
-    """Read-only, memory-mapped view of PREFIX.idx / PREFIX.bin, checked on open."""
+def _without_file_suffix(prefix: str) -> str:
+    """The prefix a path names once a .bin or .idx it was given with is dropped."""
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix):
+            return prefix.removesuffix(suffix)
+    return prefix
 
-    def __init__(self, path_prefix: str) -> None:
+
+def _prefixes_beside(prefix: str) -> list[str]:
+    """Data sets a user most likely meant by a prefix that has none: the prefix without a .bin or
+    .idx it was given with, else what tools/preprocess_data.py writes for --output-prefix PREFIX
+    (PREFIX_text_document first, then PREFIX_{key}_document for its other --json-keys)."""
+    if _without_file_suffix(prefix) != prefix and dataset_exists(_without_file_suffix(prefix)):
+        return [_without_file_suffix(prefix)]
+    if dataset_exists(f"{prefix}_text_document"):
+        return [f"{prefix}_text_document"]
+    found = sorted(glob.glob(f"{glob.escape(prefix)}_*_document.bin"))
+    return [p for p in (path.removesuffix(".bin") for path in found) if dataset_exists(p)]
+
+
+def missing_dataset_error(prefix: str) -> DataError:
+    """The error for a prefix with no data set: it names the prefix to use when one lies beside it,
+    else the one of its two files that is missing."""
+    beside = _prefixes_beside(prefix)
+    if len(beside) == 1:
+        return DataError(
+            f"no indexed dataset at prefix {prefix!r}, but {beside[0]!r} beside it has its .bin and .idx; "
+            f"pass the prefix {beside[0]!r} instead."
+        )
+    if beside:
+        return DataError(
+            f"no indexed dataset at prefix {prefix!r}, but {', '.join(map(repr, beside))} beside it have their "
+            ".bin and .idx (one per --json-keys key of tools/preprocess_data.py); pass one of those prefixes instead."
+        )
+    for named in dict.fromkeys((prefix, _without_file_suffix(prefix))):
+        present = [path for path in (idx_path(named), bin_path(named)) if os.path.isfile(path)]
+        if present:
+            missing = bin_path(named) if present[0] == idx_path(named) else idx_path(named)
+            meant = "" if named == prefix else f" (a data path is the prefix without {prefix[len(named) :]})"
+            return DataError(
+                f"no indexed dataset at prefix {prefix!r}{meant}: {missing} is missing beside {present[0]}; "
+                "produce both with tools/preprocess_data.py."
+            )
+    return DataError(
+        f"no indexed dataset at prefix {prefix!r}: both {idx_path(prefix)} and {bin_path(prefix)} are "
+        "needed; produce them with tools/preprocess_data.py."
+    )
+
+
+class MMapIndexedDataset:
+    """Read-only, memory-mapped view of PREFIX.idx / PREFIX.bin, checked on open.
+
+    With `verify_checksum` (the default) both files are also read once against PREFIX.checksum.json,
+    here, in the process that opens them, before any DataLoader worker starts: a file that changed
+    since it was written stops with a DataError. `checksum_verified` says whether that check ran
+    and passed (False: skipped, or data written before checksums were recorded). A worker that
+    receives the data set by pickling reopens it without reading it all again.
+    """
+
+    def __init__(self, path_prefix: str, verify_checksum: bool = True) -> None:
         self.path_prefix = path_prefix
         self._open()
+        self.checksum_verified = verify_checksum and verify_checksums(
+            path_prefix, bin_path(path_prefix), idx_path(path_prefix)
+        )
 
     def _open(self) -> None:
         prefix = self.path_prefix
         if not dataset_exists(prefix):
-            raise DataError(
-                f"no indexed dataset at prefix {prefix!r}: both {idx_path(prefix)} and {bin_path(prefix)} are "
-                "needed; produce them with tools/preprocess_data.py."
-            )
+            raise missing_dataset_error(prefix)
         index_file, data_file = idx_path(prefix), bin_path(prefix)
         self.dtype, num_sequences, num_doc_idx = _read_header(index_file)
         index = np.memmap(index_file, mode="r", dtype=np.uint8)
@@ -253,10 +320,12 @@ class MMapIndexedDataset:
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
-    # Pickle by path (DataLoader workers started with spawn) rather than copying the mapped bytes.
-    def __getstate__(self) -> str:
-        return self.path_prefix
+    # Pickle by path (DataLoader workers started with spawn) rather than copying the mapped bytes;
+    # the copy reopens the files (checking the index again, which is fast) but does not read them
+    # against their checksums again: the process that pickled it did, and says so.
+    def __getstate__(self) -> tuple[str, bool]:
+        return self.path_prefix, self.checksum_verified
 
-    def __setstate__(self, path_prefix: str) -> None:
-        self.path_prefix = path_prefix
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.path_prefix, self.checksum_verified = state
         self._open()

@@ -280,6 +280,7 @@ class Trainer:
             "test_data_prefix": list(d.test_data_path) if d.test_data_path else None,
             "vocab_size": self.tokenizer.vocab_size,  # every sample's ids are checked as it is read
             "split_rounding": d.split_rounding,
+            "verify_checksum": d.data_checksum,
         }
         if self.grid.is_first_rank:
             datasets = build_train_valid_test_datasets(*args, **paths)
