@@ -11,14 +11,14 @@ from unittest import mock
 
 import torch
 
+from benchmarks.moe_layer import output_and_router_loss
 from megatron.model.moe import MoEConfig, MoELayer, grouped_gemm
 
 
 def time_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, steps: int, device: torch.device) -> float:
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = layer(x)
-        out, loss = out if isinstance(out, tuple) else (out, 0.0)
+            out, loss = output_and_router_loss(layer(x)) if isinstance(layer, MoELayer) else (layer(x), 0.0)
         ((out.float() * grad).sum() + loss).backward()
         layer.zero_grad(set_to_none=True)
 

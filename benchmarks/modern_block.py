@@ -137,7 +137,8 @@ class WithPositions(nn.Module):
         self.block, self.position_ids_BS = block, position_ids_BS
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.block(x_BSH, self.position_ids_BS)
+        output = self.block(x_BSH, self.position_ids_BS)
+        return output.hidden_BSH, output.router_loss
 
 
 def build_block(config: GPTConfig, case: Case) -> nn.Module:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.moe import MoEConfig, MoELayer
+from megatron.model.moe.layer import MoEOutput
 from megatron.model.moe.router import gumbel_like
 
 IMPLS = ("ours", "deepspeed", "dense", "onehot")
@@ -252,12 +253,18 @@ def inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(x.shape)
 
 
+def output_and_router_loss(outputs: MoEOutput | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ours returns an MoEOutput, the baselines here (out, weighted router loss), DeepSpeed's MoE
+    (out, unweighted l_aux, expert counts)."""
+    if isinstance(outputs, MoEOutput):
+        return outputs.hidden_BSH, outputs.router_loss
+    out, router_loss = outputs[:2]
+    return out, AUX_COEFF * router_loss if len(outputs) == 3 else router_loss
+
+
 def forward_backward(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """loss = (out * grad).sum() + weighted router loss, backward; returns the output."""
-    outputs = model(x)
-    out, router_loss = outputs[:2]
-    if len(outputs) == 3:  # DeepSpeed's MoE returns (out, l_aux, expert counts)
-        router_loss = AUX_COEFF * router_loss
+    out, router_loss = output_and_router_loss(model(x))
     ((out * grad).sum() + router_loss).backward()
     return out.detach()
 

@@ -23,6 +23,7 @@ import torch
 from megatron.parallel import build_parallel_grid
 from megatron.runtime.engine import build_optimizer
 from megatron.training.loop import Trainer
+from megatron.training.step import GPTBatch
 from tests.training_fixtures import tiny_config, write_corpus
 
 CONFIGS = {
@@ -31,9 +32,9 @@ CONFIGS = {
 }
 
 
-def bare_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict, clip: float) -> None:
-    losses, _ = model(batch["tokens"], labels_BS=batch["labels"])
-    loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+def bare_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: GPTBatch, clip: float) -> None:
+    losses = model(batch.tokens_BS, labels_BS=batch.labels_BS).losses_BS
+    loss = (losses * batch.loss_mask_BS).sum() / batch.loss_mask_BS.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
     optimizer.step()

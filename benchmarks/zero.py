@@ -119,8 +119,8 @@ def rank_run(stage: int, micro_batch: int, warmup: int, steps: int) -> dict[str,
         )
         dist.barrier()  # every rank starts the step together: the time is the step, not the skew
         start = time.perf_counter()
-        losses, router_loss = engine(tokens, labels_BS=tokens)
-        engine.backward(losses.mean() + router_loss)
+        output = engine(tokens, labels_BS=tokens)
+        engine.backward(output.losses_BS.mean() + output.router_loss)
         seen["grad_backward_bytes"] = tensor_bytes([p.grad for p in params if p.grad is not None])
         backward_done, gather_s[0] = time.perf_counter(), 0.0
         engine.step()

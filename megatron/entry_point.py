@@ -24,26 +24,27 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def _block_sigterm() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-
-def _unblock_sigterm() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-
-
-def _default_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _unblock_sigterm()
-
-
 @functools.cache
 def _forked_children_take_the_default_action() -> None:
-    """A forked worker (a tokenizer pool, a DataLoader) dies on SIGTERM, as Pool.terminate() expects:
-    the graceful handler's SystemExit can be swallowed there, and Python drops a signal that arrives
-    while the child is being set up, so the worker would wait for ever and its parent with it.
-    SIGTERM stays blocked across the fork and the child unblocks it once the default is back."""
-    os.register_at_fork(before=_block_sigterm, after_in_parent=_unblock_sigterm, after_in_child=_default_sigterm)
+    """A forked worker (a tokenizer pool) dies on SIGTERM, as Pool.terminate() expects: the graceful
+    handler's SystemExit can be swallowed there, and Python drops a signal that arrives while the
+    child is being set up, so the worker would wait for ever and its parent with it. SIGTERM stays
+    blocked across the fork; the child puts the default action back, then the signal mask the
+    forking thread had. (A DataLoader starts its workers with the signals this process handles
+    blocked, and they keep them blocked: they do not die of them, megatron/data/loader.py.)"""
+    masks: dict[int, set[signal.Signals]] = {}  # the forking thread's mask, from before the fork to after
+
+    def block() -> None:
+        masks[threading.get_ident()] = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def restore() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, masks.pop(threading.get_ident()))
+
+    def default_then_restore() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        restore()
+
+    os.register_at_fork(before=block, after_in_parent=restore, after_in_child=default_then_restore)
 
 
 def run_entry_point(body: Callable[[], T]) -> T:

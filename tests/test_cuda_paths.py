@@ -30,8 +30,8 @@ def test_model_on_cuda_matches_cpu():
     model = GPTModel(config).eval()
     tokens = torch.randint(0, 128, (2, 32))
     with torch.no_grad():
-        cpu = model(tokens)
-        gpu = model.cuda()(tokens.cuda()).cpu()
+        cpu = model(tokens).logits_BSV
+        gpu = model.cuda()(tokens.cuda()).logits_BSV.cpu()
     torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3)
 
 
@@ -86,11 +86,12 @@ def test_moe_layer_on_cuda_matches_cpu():
     layer = MoELayer(64, 256, 8, MoEConfig(topk=2, use_rts=False, sample_second_expert=False), 0.02, 0.01).eval()
     x = torch.randn(4, 32, 64)
     with torch.no_grad():
-        cpu_out, cpu_loss = layer(x)
+        cpu = layer(x)
         layer.cuda()
-        gpu_out, gpu_loss = layer(x.cuda())
+        gpu = layer(x.cuda())
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            bf16_out, _ = layer(x.cuda())
+            bf16_out = layer(x.cuda()).hidden_BSH
+    cpu_out, cpu_loss, gpu_out, gpu_loss = cpu.hidden_BSH, cpu.router_loss, gpu.hidden_BSH, gpu.router_loss
     torch.testing.assert_close(gpu_out.cpu(), cpu_out, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(gpu_loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(bf16_out.float().cpu(), cpu_out, rtol=5e-2, atol=5e-2)

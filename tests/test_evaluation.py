@@ -42,13 +42,13 @@ from tests.training_fixtures import write_corpus
 def direct_logprobs(model, tokens: list[int]) -> torch.Tensor:
     """log p(tokens[t] | tokens[:t]) for t >= 1, from one plain forward pass."""
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([tokens[:-1]]))[0].float(), dim=-1)
+        logprobs = torch.log_softmax(model(torch.tensor([tokens[:-1]])).logits_BSV[0].float(), dim=-1)
     return logprobs[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
 
 
 def greedy_next(model, tokens: list[int]) -> int:
     with torch.no_grad():
-        return int(model(torch.tensor([tokens]))[0, -1].argmax())
+        return int(model(torch.tensor([tokens])).logits_BSV[0, -1].argmax())
 
 
 @pytest.mark.parametrize("experts", [1, 4])
@@ -64,7 +64,7 @@ def test_loglikelihood_is_the_sum_of_the_models_token_logprobs(experts):
         expected = direct_logprobs(model, context + continuation)[-len(continuation) :]
         assert score.logprob == pytest.approx(float(expected.sum()), abs=1e-4)
         with torch.no_grad():
-            argmax = model(torch.tensor([context + continuation]))[0].argmax(-1)[len(context) - 1 : -1]
+            argmax = model(torch.tensor([context + continuation])).logits_BSV[0].argmax(-1)[len(context) - 1 : -1]
         assert score.is_greedy == (argmax.tolist() == continuation)
     greedy = [1, 2, 3]
     greedy.append(greedy_next(model, greedy))
@@ -118,7 +118,7 @@ def test_last_word_accuracy_matches_the_models_own_predictions():
         ctx_ids, cont_ids = tokenizer.tokenize(context), tokenizer.tokenize(" " + word)
         full = ctx_ids + cont_ids
         with torch.no_grad():
-            argmax = model(torch.tensor([full]))[0].argmax(-1)[len(ctx_ids) - 1 : -1].tolist()
+            argmax = model(torch.tensor([full])).logits_BSV[0].argmax(-1)[len(ctx_ids) - 1 : -1].tolist()
         expected.append(argmax == cont_ids)
     assert any(expected) or not any(expected)  # the expectation comes from the model, whatever it is
     assert last_word_accuracy(model, tokenizer, docs, batch_size=3) == sum(expected) / len(docs)

@@ -36,7 +36,8 @@ def _layer(swiglu: bool, bias: bool, ep_group=None, expert_tp_group=None) -> MoE
 
 def _run(layer: MoELayer, x_TH: torch.Tensor, grad_TH: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     x_TH = x_TH.clone().requires_grad_()
-    out, loss = layer(x_TH.unsqueeze(0))
+    output = layer(x_TH.unsqueeze(0))
+    out, loss = output.hidden_BSH, output.router_loss
     (out.squeeze(0) * grad_TH).sum().add(loss).backward()
     grads = {name: p.grad for name, p in layer.named_parameters()}
     return out.detach().squeeze(0), {"x": x_TH.grad, **grads}

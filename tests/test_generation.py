@@ -31,10 +31,10 @@ def test_cached_logits_equal_full_forward(experts, position):
     model = tiny_model(experts, position)
     tokens_BS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full_BSV = model(tokens_BS)
+        full_BSV = model(tokens_BS).logits_BSV
         cache = model.new_kv_cache(2, 12)
-        steps = [model(tokens_BS[:, :5], kv_cache=cache)]  # a prompt, then one token at a time
-        steps += [model(tokens_BS[:, t : t + 1], kv_cache=cache) for t in range(5, 12)]
+        steps = [model(tokens_BS[:, :5], kv_cache=cache).logits_BSV]  # a prompt, then one token at a time
+        steps += [model(tokens_BS[:, t : t + 1], kv_cache=cache).logits_BSV for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full_BSV, rtol=1e-4, atol=1e-5)
     assert cache.length == 12
 

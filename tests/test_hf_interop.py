@@ -233,7 +233,7 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 def our_logits(checkpoint: Path | str, ids: torch.Tensor, iteration: int | None = None) -> torch.Tensor:
     with torch.no_grad():
-        return load_model(checkpoint, iteration=iteration).model(ids)
+        return load_model(checkpoint, iteration=iteration).model(ids).logits_BSV
 
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -428,7 +428,7 @@ def _trained_from_import(corpus: str, checkpoint: str, flags: list[str], ep_size
     trainer = Trainer(with_data_parallel_size(parse_args(argv), grid.dp_size), grid)
     start = trainer.iteration
     with torch.no_grad():
-        logits = trainer.engine.module.eval()(token_ids())
+        logits = trainer.engine.module.eval()(token_ids()).logits_BSV
     return {"logits": logits, "start": torch.tensor(start), "losses": torch.tensor(trainer.train().losses)}
 
 

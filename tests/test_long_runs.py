@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron.training.loop as training_module
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError, TrainingStopped
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training.loop import Trainer
+from megatron.training.step import ForwardStep
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_config, tiny_flags, write_corpus
+from tests.training_fixtures import poisoned_forward, tiny_config, tiny_flags, wait_for_line, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))
 REPO = Path(__file__).resolve().parent.parent
@@ -32,25 +32,20 @@ def corpus(tmp_path_factory) -> str:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _nan_loss_at(iteration: int, rank: int | None = None):
-    """lm_loss that returns NaN during `iteration` (on `rank` only, if given) and from then on."""
-    real = training_module.lm_loss
-
-    def poisoned(engine, batch):
-        loss, router_loss = real(engine, batch)
-        poisoned_here = engine.global_steps + 1 >= iteration and rank in (None, engine.parallel.rank)
-        return (loss * float("nan") if poisoned_here else loss), router_loss
-
-    return poisoned
+def _nan_loss_at(iteration: int, rank: int | None = None) -> ForwardStep:
+    """A forward step whose LM loss is NaN during `iteration` (on `rank` only, if given) and from then on."""
+    return poisoned_forward(
+        float("nan"), lambda engine: engine.global_steps + 1 >= iteration and rank in (None, engine.parallel.rank)
+    )
 
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
-def test_a_nan_loss_in_fp32_or_bf16_stops_the_run_naming_iteration_and_rank(corpus, tmp_path, monkeypatch, precision):
-    monkeypatch.setattr(training_module, "lm_loss", _nan_loss_at(3))
+def test_a_nan_loss_in_fp32_or_bf16_stops_the_run_naming_iteration_and_rank(corpus, tmp_path, precision):
     save = tmp_path / "ckpt"
     trainer = Trainer(
         tiny_config(corpus, train_iters=6, save=str(save), save_interval=1, **({precision: True} if precision else {})),
         SINGLE,
+        forward=_nan_loss_at(3),
     )
     with pytest.raises(
         TrainingStopped,
@@ -63,14 +58,7 @@ def test_a_nan_loss_in_fp32_or_bf16_stops_the_run_naming_iteration_and_rank(corp
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "iter_0000002", LATEST_FILE]
 
 
-def test_fp16_skips_an_overflowing_step_and_reports_it(corpus, tmp_path, monkeypatch, capsys):
-    real = training_module.lm_loss
-
-    def one_bad_step(engine, batch):
-        loss, router_loss = real(engine, batch)
-        return (loss * float("inf") if engine.global_steps == 2 else loss), router_loss
-
-    monkeypatch.setattr(training_module, "lm_loss", one_bad_step)
+def test_fp16_skips_an_overflowing_step_and_reports_it(corpus, tmp_path, capsys):
     result = Trainer(
         tiny_config(
             corpus,
@@ -81,6 +69,7 @@ def test_fp16_skips_an_overflowing_step_and_reports_it(corpus, tmp_path, monkeyp
             tensorboard_dir=str(tmp_path / "tb"),
         ),
         SINGLE,
+        forward=poisoned_forward(float("inf"), lambda engine: engine.global_steps == 2),
     ).train()
     assert result.iteration == 5
     assert "number of skipped iterations:   1" in capsys.readouterr().out
@@ -91,11 +80,11 @@ def test_fp16_skips_an_overflowing_step_and_reports_it(corpus, tmp_path, monkeyp
     assert [e.value for e in events.Scalars("skipped-iterations")] == [1.0]
 
 
-def test_fp16_stops_after_too_many_skipped_steps_in_a_row(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(training_module, "lm_loss", _nan_loss_at(2))
+def test_fp16_stops_after_too_many_skipped_steps_in_a_row(corpus, tmp_path):
     trainer = Trainer(
         tiny_config(corpus, train_iters=10, fp16=True, initial_loss_scale=256, max_consecutive_skipped_iterations=3),
         SINGLE,
+        forward=_nan_loss_at(2),
     )
     with pytest.raises(TrainingStopped, match="iteration 4: the last 3 iterations all skipped their step"):
         trainer.train()
@@ -119,9 +108,10 @@ def test_nan_weights_are_never_saved_and_latest_never_moves(corpus, tmp_path):
 
 
 def _nan_on_rank_one(corpus: str) -> dict[str, torch.Tensor]:
-    training_module.lm_loss = _nan_loss_at(2, rank=1)
     trainer = Trainer(
-        tiny_config(corpus, dp_size=2, train_iters=4, global_batch_size=4), build_parallel_grid(torch.device("cpu"))
+        tiny_config(corpus, dp_size=2, train_iters=4, global_batch_size=4),
+        build_parallel_grid(torch.device("cpu")),
+        forward=_nan_loss_at(2, rank=1),
     )
     try:
         trainer.train()
@@ -191,15 +181,6 @@ def _launch(flags: list[str], world: int, script: str | None = None) -> list[sub
     return processes
 
 
-def _wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if text in line:
-            return lines
-    raise AssertionError(f"the run ended before printing {text!r}:\n{''.join(lines)}")
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_during_training_saves_and_exits_zero_on_every_rank(corpus, tmp_path, world):
     save = tmp_path / "ckpt"
@@ -213,7 +194,7 @@ def test_sigterm_during_training_saves_and_exits_zero_on_every_rank(corpus, tmp_
         global_batch_size=4,
     )
     processes = _launch(flags, world)
-    seen = _wait_for_line(processes[0], "iteration        3/")
+    seen = wait_for_line(processes[0], "iteration        3/")
     processes[-1].send_signal(signal.SIGTERM)  # one rank only: all must agree
     outputs = ["".join(seen) + processes[0].stdout.read()] + [p.stdout.read() for p in processes[1:]]
     assert [p.wait(timeout=120) for p in processes] == [0] * world, outputs
@@ -247,7 +228,7 @@ def test_sigterm_without_the_handler_exits_at_once_and_removes_the_swap_folder(c
         corpus, train_iters=100000, log_interval=1, eval_interval=100000, deepspeed=True, deepspeed_config=str(config)
     )
     (process,) = _launch(flags, 1)
-    seen = _wait_for_line(process, "iteration        2/")
+    seen = wait_for_line(process, "iteration        2/")
     assert any(nvme.iterdir()), "the run swaps through a folder under nvme_path"
     process.send_signal(signal.SIGTERM)
     output = "".join(seen) + process.stdout.read()

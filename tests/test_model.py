@@ -26,10 +26,14 @@ def test_forward_shapes(position):
     torch.manual_seed(0)
     model = GPTModel(tiny_config(position_embedding_type=position))
     tokens = torch.randint(0, 128, (3, 16))
-    assert model(tokens).shape == (3, 16, 128)
-    losses, router_loss = model(tokens, labels_BS=tokens)
-    assert router_loss.item() == 0.0
-    assert losses.shape == (3, 16) and losses.dtype == torch.float32
+    without_labels = model(tokens)
+    assert without_labels.logits_BSV.shape == (3, 16, 128) and without_labels.losses_BS is None
+    output = model(tokens, labels_BS=tokens)
+    assert output.router_loss.item() == 0.0 and output.routing == {} and output.logits_BSV is None
+    assert output.losses_BS.shape == (3, 16) and output.losses_BS.dtype == torch.float32
+    both = model(tokens, labels_BS=tokens, return_logits=True)
+    torch.testing.assert_close(both.logits_BSV, without_labels.logits_BSV, rtol=0, atol=0)
+    torch.testing.assert_close(both.losses_BS, output.losses_BS, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("position", ["learned_absolute", "rope"])
@@ -40,7 +44,7 @@ def test_future_tokens_never_change_earlier_outputs(position):
     changed = tokens.clone()
     changed[:, 10:] = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
-        before, after = model(tokens), model(changed)
+        before, after = model(tokens).logits_BSV, model(changed).logits_BSV
     torch.testing.assert_close(before[:, :10], after[:, :10])
     assert not torch.allclose(before[:, 10:], after[:, 10:])
 
@@ -71,7 +75,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.manual_seed(0)
         model = GPTModel(tiny_config(checkpoint_activations=checkpointed, hidden_dropout=0.1))
         torch.manual_seed(1)
-        model(tokens, labels_BS=tokens)[0].mean().backward()
+        model(tokens, labels_BS=tokens).losses_BS.mean().backward()
         grads.append([p.grad for p in model.parameters()])
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(plain, recomputed)

@@ -175,7 +175,7 @@ def assert_same_logits(model: GPTModel, hf_config: Any, state: dict[str, torch.T
         {name if name in names else OLD_HF_NAMES.get(name, name): tensor for name, tensor in state.items()}, strict=True
     )
     with torch.no_grad():
-        ours, theirs = model(tokens()), hf(tokens()).logits
+        ours, theirs = model(tokens()).logits_BSV, hf(tokens()).logits
     assert theirs.std() > 0.5  # logits far from zero, so agreement means something
     assert relative_error(ours, theirs) < 1e-5
 
@@ -237,10 +237,10 @@ def test_kv_cache_holds_the_key_value_heads_and_equals_the_full_forward(groups, 
     model = random_model(**options)
     tokens_BS = tokens(2, 12)
     with torch.no_grad():
-        full_BSV = model(tokens_BS)
+        full_BSV = model(tokens_BS).logits_BSV
         cache = model.new_kv_cache(2, 12)
-        steps = [model(tokens_BS[:, :5], kv_cache=cache)] + [
-            model(tokens_BS[:, t : t + 1], kv_cache=cache) for t in range(5, 12)
+        steps = [model(tokens_BS[:, :5], kv_cache=cache).logits_BSV] + [
+            model(tokens_BS[:, t : t + 1], kv_cache=cache).logits_BSV for t in range(5, 12)
         ]
     assert cache.layers[0].keys_BGLD.shape == (2, groups, 12, 12)
     torch.testing.assert_close(torch.cat(steps, dim=1), full_BSV, rtol=1e-4, atol=1e-5)
@@ -256,7 +256,7 @@ def test_gqa_without_sdpa_enable_gqa_repeats_the_key_value_heads(monkeypatch):
     repeating.load_state_dict(model.state_dict())
     assert repeating.layers[0].self_attention.kv_repeats == 2 and not repeating.layers[0].self_attention.sdpa_gqa
     with torch.no_grad():
-        torch.testing.assert_close(repeating(tokens()), model(tokens()), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(repeating(tokens()).logits_BSV, model(tokens()).logits_BSV, rtol=1e-5, atol=1e-6)
 
 
 MODERN_FLAGS = dict(
@@ -283,7 +283,9 @@ def test_a_checkpoint_keeps_the_options_and_the_logits(corpus, tmp_path):
     assert loaded.config.num_query_groups == 2 and loaded.config.norm_epsilon == 1e-6
     model = trainer.engine.module.eval()
     with torch.no_grad():
-        torch.testing.assert_close(loaded.model(tokens(2, 16)), model(tokens(2, 16)), rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded.model(tokens(2, 16)).logits_BSV, model(tokens(2, 16)).logits_BSV, rtol=0, atol=0
+        )
     resumed = Trainer(tiny_config(corpus, train_iters=3, lr_warmup_iters=1, load=save, **MODERN_FLAGS), SINGLE)
     assert resumed.iteration == 2
 
@@ -306,7 +308,9 @@ def test_a_classic_checkpoint_saved_before_the_options_loads_with_the_defaults(c
     assert {f.name for f in fields(GPTConfig)} >= NEW_FIELDS
     model = trainer.engine.module.eval()
     with torch.no_grad():
-        torch.testing.assert_close(loaded.model(tokens(2, 16)), model(tokens(2, 16)), rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded.model(tokens(2, 16)).logits_BSV, model(tokens(2, 16)).logits_BSV, rtol=0, atol=0
+        )
 
 
 def sized(flags: str) -> GPTConfig:
@@ -416,7 +420,7 @@ def test_shared_experts_add_a_dense_mlp_to_the_routed_output(gated):
     layer = GPTModel(config).layers[1].mlp.eval()
     x_BSH = torch.randn(2, 5, 32)
     with torch.no_grad():
-        with_shared, _ = layer(x_BSH)
+        with_shared = layer(x_BSH).hidden_BSH
         shared = layer.shared_expert
         x_TH = x_BSH.reshape(-1, 32)
         mlp = shared.mlp
@@ -425,7 +429,7 @@ def test_shared_experts_add_a_dense_mlp_to_the_routed_output(gated):
         if gated:
             expected_TH = expected_TH * torch.sigmoid(x_TH @ shared.gate.weight.t())
         layer.shared_expert = None
-        routed_only, _ = layer(x_BSH)
+        routed_only = layer(x_BSH).hidden_BSH
     torch.testing.assert_close(with_shared - routed_only, expected_TH.view(2, 5, 32), rtol=1e-5, atol=1e-6)
     plain = replace(config, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
     # one MoE layer: fwd+bwd = 3 x (the shared MLP's 2 GEMMs of 2 h f FLOPs, and the gate's 2 h)

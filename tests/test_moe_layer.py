@@ -92,7 +92,7 @@ def test_sort_dispatch_equals_per_token_loop(k, drop, residual, drop_policy, swi
     layer = make_layer(6, config, residual=residual, swiglu=swiglu, bias=bias)
     x = torch.randn(3, 10, H, requires_grad=True)
     grad = torch.randn(3, 10, H)
-    out, _ = layer(x)
+    out = layer(x).hidden_BSH
     (out * grad).sum().backward()
     if drop:
         assert (layer.router(x.reshape(-1, H))[0].positions < 0).any(), "the case should drop some tokens"
@@ -193,7 +193,8 @@ def test_expert_gradient_buffers_are_reused_but_never_under_a_live_gradient():
     x, grad = torch.randn(2, 12, H), torch.randn(2, 12, H)
 
     def backward() -> None:
-        out, loss = layer(x)
+        output = layer(x)
+        out, loss = output.hidden_BSH, output.router_loss
         ((out * grad).sum() + loss).backward()
 
     backward()
@@ -214,7 +215,8 @@ def test_frozen_experts_take_no_gradient_buffers():
     layer = make_layer(4, MoEConfig(use_rts=False))
     layer.experts.requires_grad_(False)
     x = torch.randn(2, 12, H, requires_grad=True)
-    out, loss = layer(x)
+    output = layer(x)
+    out, loss = output.hidden_BSH, output.router_loss
     (out.sum() + loss).backward()
     assert x.grad is not None and layer.experts.w1.grad is None and layer.router.weight.grad is not None
     assert not layer.experts.grad_buffers._cache
@@ -223,7 +225,8 @@ def test_frozen_experts_take_no_gradient_buffers():
 def test_layer_runs_under_bf16_autocast():
     layer = make_layer(4, MoEConfig(topk=2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, loss = layer(torch.randn(2, 8, H))
+        output = layer(torch.randn(2, 8, H))
+        out, loss = output.hidden_BSH, output.router_loss
     assert out.dtype == torch.float32 and loss.dtype == torch.float32 and torch.isfinite(out).all()
 
 
@@ -246,7 +249,8 @@ def _ep_versus_full(
     grad = torch.randn(2, 12, H)
     results = {}
     for name, layer in (("ep", ep_layer), ("full", full)):
-        out, loss = layer(x)
+        output = layer(x)
+        out, loss = output.hidden_BSH, output.router_loss
         ((out * grad).sum() + loss).backward()
         results[f"{name}_out"] = out.detach()
         results[f"{name}_loss"] = loss.detach()
@@ -280,8 +284,7 @@ def test_router_loss_is_weighted_aux_plus_z_loss():
     x = torch.randn(2, 8, H)
     plain = make_layer(4, MoEConfig(aux_loss_coeff=0.5, use_rts=False))
     with_z = make_layer(4, MoEConfig(aux_loss_coeff=0.5, z_loss_coeff=0.1, use_rts=False))
-    _, plain_loss = plain(x)
-    _, z_loss = with_z(x)
+    plain_loss, z_loss = plain(x).router_loss, with_z(x).router_loss
     gating, logits = plain.router(x.reshape(-1, H))
     torch.testing.assert_close(plain_loss, 0.5 * gating.l_aux)
     torch.testing.assert_close(z_loss - plain_loss, 0.1 * torch.logsumexp(logits, dim=-1).square().mean())

@@ -13,9 +13,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
-import megatron.training.loop as training_module
 from megatron.config.flags import parse_args
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, TrainingStopped
 from megatron.model.moe import MoEConfig, MoELayer
 from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.moe.router import Router, topk_gating
@@ -23,7 +22,7 @@ from megatron.model.moe.scoring import score_topk
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import poisoned_forward, tiny_config, write_corpus
 
 H = 16
 SINGLE = single_process_grid(torch.device("cpu"))
@@ -359,7 +358,7 @@ def test_seq_aux_loss_is_the_mean_of_per_sequence_losses(options):
     torch.manual_seed(6)
     x_BSH = torch.randn(3, 10, H)
     with torch.no_grad():
-        _, loss = layer(x_BSH)
+        loss = layer(x_BSH).router_loss
     logits = (x_BSH.reshape(-1, H).double() @ layer.router.weight.double().T).tolist()
     expected = naive_sequence_loss(logits, 2, 3, config.score_function)
     assert float(loss) == pytest.approx(0.1 * expected, rel=1e-5)
@@ -391,8 +390,9 @@ def test_aux_loss_of_megatron_core_routing_is_its_switch_loss():
 def test_no_balancing_loss(options):
     layer = make_layer(4, MoEConfig(**{"topk": 1, **options}, router_load_balancing_type="none", z_loss_coeff=0.0))
     x = torch.randn(2, 6, H)
-    out, loss = layer(x)
-    assert float(loss) == 0.0 and float(layer.stats["l_aux"]) == 0.0
+    output = layer(x)
+    out, loss = output.hidden_BSH, output.router_loss
+    assert float(loss) == 0.0 and float(output.routing.l_aux) == 0.0
     (out.sum() + loss).backward()  # the router still learns through the gates
     assert layer.router.weight.grad.abs().sum() > 0
 
@@ -400,10 +400,10 @@ def test_no_balancing_loss(options):
 def test_router_entropy_statistic_uses_the_routers_probabilities():
     layer = make_layer(4, MoEConfig(topk=2, router_score_function="sigmoid"))
     x = torch.randn(2, 6, H)
-    layer(x)
+    routing = layer(x).routing
     scores = torch.sigmoid(x.reshape(-1, H) @ layer.router.weight.T)
     p = scores / scores.sum(1, keepdim=True)
-    torch.testing.assert_close(layer.stats["entropy_sum"], -(p * p.log()).sum())
+    torch.testing.assert_close(routing.entropy_sum, -(p * p.log()).sum())
 
 
 # ---------------------------------------------------------------- expert bias: the update and training
@@ -480,16 +480,11 @@ def test_expert_bias_moves_in_training_and_is_checkpointed(corpus, tmp_path):
     torch.testing.assert_close(_biases(resumed)[name], bias, rtol=0, atol=0)
 
 
-def test_skipped_fp16_steps_leave_the_bias_alone(corpus, monkeypatch):
-    real = training_module.lm_loss
-
-    def overflowing(engine, batch):
-        loss, router_loss = real(engine, batch)
-        return loss * float("inf"), router_loss
-
-    monkeypatch.setattr(training_module, "lm_loss", overflowing)
-    trainer = Trainer(tiny_config(corpus, train_iters=3, fp16=True, initial_loss_scale=256, **MOE), SINGLE)
-    trainer.train()
+def test_skipped_fp16_steps_leave_the_bias_alone(corpus):
+    overflowing = poisoned_forward(float("inf"), lambda engine: True)
+    trainer = Trainer(tiny_config(corpus, train_iters=3, fp16=True, initial_loss_scale=256, **MOE), SINGLE, overflowing)
+    with pytest.raises(TrainingStopped, match="all 3 iterations of this run skipped their step"):
+        trainer.train()
     assert trainer.engine.skipped_steps == 3
     (bias,) = _biases(trainer).values()
     assert bias.abs().sum() == 0

@@ -53,7 +53,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         if self.moe is not None:
-            h = h + self.moe(h)[0]
+            h = h + self.moe(h).hidden_BSH
         return self.out(h)
 
 

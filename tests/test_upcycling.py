@@ -78,7 +78,7 @@ def test_upcycled_model_computes_what_the_dense_model_computes(extra, experts, f
     check_upcycling(moe, dense, "dense")
     dense_model, moe_model, line = dense_and_upcycled(dense, moe)
     with torch.no_grad():
-        torch.testing.assert_close(moe_model(TOKENS), dense_model(TOKENS), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moe_model(TOKENS).logits_BSV, dense_model(TOKENS).logits_BSV, rtol=1e-5, atol=1e-5)
         router = moe_model.layers[1].mlp.router.weight
         granularity = 64 // ffn
         assert torch.equal(router, router[::granularity].repeat_interleave(granularity, dim=0))
@@ -96,7 +96,7 @@ def test_top1_keeps_the_router_probability_and_is_scaled_by_the_expert_count():
     torch.testing.assert_close(experts.w2[3], dense_w2.t() * 4)
     with torch.no_grad():
         moe_model.layers[1].mlp.router.weight.zero_()
-        torch.testing.assert_close(moe_model(TOKENS), dense_model(TOKENS), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moe_model(TOKENS).logits_BSV, dense_model(TOKENS).logits_BSV, rtol=1e-5, atol=1e-5)
     assert "second weights scaled by 4" in line
 
 
@@ -107,8 +107,8 @@ def _upcycle_under_ep(ep_size: int) -> dict[str, torch.Tensor]:
     experts = moe_model.layers[1].mlp.experts
     with torch.no_grad():
         return {
-            "moe": moe_model(TOKENS),
-            "dense": dense_model(TOKENS),
+            "moe": moe_model(TOKENS).logits_BSV,
+            "dense": dense_model(TOKENS).logits_BSV,
             **{f"w1[{g}]": experts.w1[i].clone() for i, g in enumerate(experts.w1.expert_global_ids)},
         }
 

@@ -36,7 +36,7 @@ class Net(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         h_BSH = self.norm(torch.tanh(self.inp(x_BSH)))
         if self.moe is not None:
-            h_BSH = h_BSH + self.moe(h_BSH)[0]
+            h_BSH = h_BSH + self.moe(h_BSH).hidden_BSH
         return self.out(h_BSH)
 
 

@@ -1,11 +1,16 @@
 """A tiny indexed corpus and flag set for end-to-end training tests."""
 
+import subprocess
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from megatron.config.flags import PretrainConfig, parse_args, with_data_parallel_size
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from megatron.runtime.engine import Engine
+from megatron.training.step import ForwardStep, StageForward, forward_step
 
 VOCAB = 60
 
@@ -86,3 +91,26 @@ MODERN_MOE = {
 
 def tiny_config(data_prefix: str, dp_size: int = 1, **overrides: object) -> PretrainConfig:
     return with_data_parallel_size(parse_args(tiny_flags(data_prefix, **overrides)), dp_size)
+
+
+def poisoned_forward(factor: float, where: Callable[[Engine], bool]) -> ForwardStep:
+    """The trainer's forward step with the LM loss multiplied by `factor` (NaN, inf) wherever
+    `where(engine)` holds: the fault a `Trainer(..., forward=...)` test injects."""
+
+    def forward(engine: Engine, *args: object, **kwargs: object) -> StageForward:
+        step = forward_step(engine, *args, **kwargs)
+        if not where(engine):
+            return step
+        return replace(step, losses=replace(step.losses, lm=step.losses.lm * factor))
+
+    return forward
+
+
+def wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
+    """The lines a training subprocess printed up to the first that holds `text`."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"the run ended before printing {text!r}:\n{''.join(lines)}")

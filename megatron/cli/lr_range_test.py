@@ -166,7 +166,7 @@ def gpt_step(trainer: Trainer) -> Step:
 
     def step() -> tuple[float, float] | None:
         lr = engine.get_lr()[0]
-        lm_loss = trainer.dp_mean(trainer.train_step(data_iter)[0])  # train_step: [lm, moe, kd]
+        lm_loss = trainer.dp_mean(trainer.train_step(data_iter).lm)
         if engine.last_step_skipped:
             # fp16 overflow is routine while the loss scale settles; a long run of them, or any
             # non-finite step in bf16/fp32, means the lr is past divergence

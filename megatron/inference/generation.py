@@ -51,7 +51,7 @@ def generate(
     total = min(prompt_len + max_new_tokens, max_len)
     cache = model.new_kv_cache(batch, total) if use_cache else None
     tokens_BT = prompt_BS
-    logits_BV = model(prompt_BS, kv_cache=cache)[:, -1]
+    logits_BV = model(prompt_BS, kv_cache=cache).logits_BSV[:, -1]
     new: list[list[int]] = [[] for _ in range(batch)]
     done = [max_new_tokens <= 0] * batch
     while not all(done):
@@ -67,7 +67,8 @@ def generate(
         tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
         if tokens_BT.shape[1] >= total:
             break
-        logits_BV = (model(next_B[:, None], kv_cache=cache) if use_cache else model(tokens_BT))[:, -1]
+        output = model(next_B[:, None], kv_cache=cache) if use_cache else model(tokens_BT)
+        logits_BV = output.logits_BSV[:, -1]
     return new
 
 

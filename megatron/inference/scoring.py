@@ -64,7 +64,7 @@ def score_continuations(model: GPTModel, requests: Sequence[Request], batch_size
         tokens_BS = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for b, i in enumerate(rows):
             tokens_BS[b, : len(inputs[i])] = torch.tensor(inputs[i])
-        logprobs_BSV = F.log_softmax(model(tokens_BS).float(), dim=-1)
+        logprobs_BSV = F.log_softmax(model(tokens_BS).logits_BSV.float(), dim=-1)
         for b, i in enumerate(rows):
             target = torch.tensor(requests[i][1], device=device)
             end = len(inputs[i])

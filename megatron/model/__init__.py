@@ -2,5 +2,6 @@
 
 from megatron.model.config import GPTConfig
 from megatron.model.gpt import GPTModel
+from megatron.model.output import GPTOutput
 
-__all__ = ["GPTConfig", "GPTModel"]
+__all__ = ["GPTConfig", "GPTModel", "GPTOutput"]

@@ -1,8 +1,9 @@
 """GPT language model: token (+ learned position) embeddings -> pre-norm blocks (dense MLP or MoE)
 -> final norm -> LM head, tied to the token embedding unless --untie-embeddings-and-output-weights
-gives it its own `output_layer`. Returns logits, or per-token losses and the summed MoE router
-loss when labels are given. With a `KVCache` (from `new_kv_cache`) the tokens given are the next
-ones after those already cached, for incremental decoding.
+gives it its own `output_layer`. Returns one `GPTOutput`: logits, or per-token losses when labels
+are given, with the summed MoE router loss and each MoE layer's routing statistics. With a
+`KVCache` (from `new_kv_cache`) the tokens given are the next ones after those already cached, for
+incremental decoding.
 
 Under tensor parallelism (`tp`) the vocabulary is split: the embedding and the LM head hold this
 rank's rows, the loss is the vocabulary-parallel cross entropy (the full logits are never
@@ -27,6 +28,7 @@ from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import KVCache
 from megatron.model.moe import MoELayer
 from megatron.model.moe.shared_expert import SharedExpert
+from megatron.model.output import GPTOutput
 from megatron.model.pipeline_stage import PipelineStage
 from megatron.model.tensor_parallel import (
     ColumnParallelLinear,
@@ -163,12 +165,11 @@ class GPTModel(nn.Module):
         kv_cache: KVCache | None = None,
         return_logits: bool = False,
         hidden_BSH: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Logits [B, S, V] without labels; with them, fp32 per-token cross entropy [B, S] and the
-        sum of the MoE layers' router losses (zero for a dense model), and with `return_logits` also
-        the logits (distillation needs both, and the LM head then runs once). A pipeline stage after
-        the first takes `hidden_BSH` from the previous stage instead of embedding the tokens; a stage
-        before the last returns its hidden states and its MoE router loss."""
+    ) -> GPTOutput:
+        """Logits [B, S, V] without labels; with them, fp32 per-token cross entropy [B, S], and with
+        `return_logits` the logits too (distillation needs both, and the LM head then runs once). A
+        pipeline stage after the first takes `hidden_BSH` from the previous stage instead of
+        embedding the tokens; a stage before the last returns its hidden states."""
         if position_ids_BS is None:
             start = 0 if kv_cache is None else kv_cache.length
             position_ids_BS = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device).expand_as(
@@ -183,16 +184,19 @@ class GPTModel(nn.Module):
                 x_BSH = scatter_to_sequence_region(x_BSH, self.tp.group)
         else:
             x_BSH = hidden_BSH
-        router_loss = torch.zeros((), device=x_BSH.device)
-        for index, layer in enumerate(self.layers):
+        output = GPTOutput(router_loss=torch.zeros((), device=x_BSH.device), routing={})
+        for local_index, (index, layer) in enumerate(zip(self.stage.layers, self.layers)):
             if self.config.checkpoint_activations and self.training and kv_cache is None:
-                x_BSH, layer_loss = checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
+                block = checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
             else:
-                layer_cache = None if kv_cache is None else kv_cache.layers[index]
-                x_BSH, layer_loss = layer(x_BSH, position_ids_BS, layer_cache)
-            router_loss = router_loss + layer_loss
+                block = layer(x_BSH, position_ids_BS, None if kv_cache is None else kv_cache.layers[local_index])
+            x_BSH = block.hidden_BSH
+            output.router_loss = output.router_loss + block.router_loss
+            if block.routing is not None:
+                output.routing[index + 1] = block.routing
         if not self.stage.is_last:
-            return x_BSH, router_loss
+            output.hidden_BSH = x_BSH
+            return output
         head_VH = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         x_BSH = self.final_layernorm(x_BSH)
         # under tensor parallelism this rank's vocabulary rows
@@ -200,12 +204,12 @@ class GPTModel(nn.Module):
             logits_BSV = sequence_gathered_linear(x_BSH, head_VH, None, self.tp.group)
         else:
             logits_BSV = F.linear(copy_to_tp_region(x_BSH, self.tp.group), head_VH)
-        if labels_BS is None:
-            return gather_from_tp_region(logits_BSV, self.tp.group)
-        if self.tp.enabled:
-            losses_BS = vocab_parallel_cross_entropy(logits_BSV, labels_BS, self.tp.group)
-        else:
-            losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
-        if return_logits:
-            return losses_BS.view_as(labels_BS), router_loss, gather_from_tp_region(logits_BSV, self.tp.group)
-        return losses_BS.view_as(labels_BS), router_loss
+        if labels_BS is None or return_logits:
+            output.logits_BSV = gather_from_tp_region(logits_BSV, self.tp.group)
+        if labels_BS is not None:
+            if self.tp.enabled:
+                losses_BS = vocab_parallel_cross_entropy(logits_BSV, labels_BS, self.tp.group)
+            else:
+                losses_BS = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
+            output.losses_BS = losses_BS.view_as(labels_BS)
+        return output

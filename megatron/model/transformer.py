@@ -15,6 +15,7 @@ Under tensor parallelism N, G and F count this rank's share.
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from torch import nn
 from megatron.errors import ConfigError
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import LayerKVCache
+from megatron.model.moe.layer import MoELayer, RoutingStats
 from megatron.model.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, sum_gradient_over
 
 
@@ -227,22 +229,30 @@ class MLP(nn.Module):
         return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x_BSH)))
 
 
+@dataclass
+class BlockOutput:
+    hidden_BSH: torch.Tensor
+    router_loss: torch.Tensor  # the MoE layer's weighted router loss; 0 for a dense MLP
+    routing: RoutingStats | None  # the MoE layer's statistics; None for a dense MLP
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, config: GPTConfig, mlp: nn.Module, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(self, config: GPTConfig, mlp: MLP | MoELayer, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.input_layernorm = build_norm(config, config.hidden_size, tp)
         self.self_attention = CausalSelfAttention(config, tp)
         self.post_attention_layernorm = build_norm(config, config.hidden_size, tp)
         self.mlp = mlp
+        self.routes_tokens = isinstance(mlp, MoELayer)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
         self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor, kv_cache: LayerKVCache | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the block's output and its MoE router loss (zero for a dense MLP)."""
+    ) -> BlockOutput:
         x_BSH = x_BSH + self.dropout(self.self_attention(self.input_layernorm(x_BSH), position_ids_BS, kv_cache))
-        mlp_out = self.mlp(self.post_attention_layernorm(x_BSH))
-        mlp_out, router_loss = (
-            mlp_out if isinstance(mlp_out, tuple) else (mlp_out, x_BSH.new_zeros((), dtype=torch.float32))
-        )
-        return x_BSH + self.dropout(mlp_out), router_loss
+        h_BSH = self.post_attention_layernorm(x_BSH)
+        if not self.routes_tokens:
+            no_loss = x_BSH.new_zeros((), dtype=torch.float32)
+            return BlockOutput(x_BSH + self.dropout(self.mlp(h_BSH)), no_loss, None)
+        moe = self.mlp(h_BSH)
+        return BlockOutput(x_BSH + self.dropout(moe.hidden_BSH), moe.router_loss, moe.routing)

@@ -30,8 +30,6 @@ from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.tensor_parallel import TensorParallel, local_part
 from megatron.parallel import ParallelGrid
-from megatron.runtime.engine import Engine
-from megatron.training.losses import kd_divergence_BS, masked_mean
 
 
 def teacher_checkpoint(
@@ -86,25 +84,6 @@ def load_teacher(
     `dtype` when training in half precision (it is never updated, so it needs no fp32 master copy)."""
     teacher = build_saved_model(folder, inference_config(saved), grid, tp).requires_grad_(False)
     return teacher.to(dtype) if dtype is not None else teacher
-
-
-def distillation_losses(
-    engine: Engine,
-    teacher: GPTModel,
-    batch: dict[str, torch.Tensor],
-    temperature: float,
-    hidden_BSH: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The student's masked-mean LM loss, its router loss, and the masked-mean T^2 * KL to the
-    teacher; on a last pipeline stage from the previous stage's `hidden_BSH`."""
-    with torch.no_grad(), engine.autocast():
-        teacher_logits_BSV = teacher(batch["tokens"])
-    losses_BS, router_loss, logits_BSV = engine(
-        batch["tokens"], labels_BS=batch["labels"], return_logits=True, hidden_BSH=hidden_BSH
-    )
-    mask_BS = batch["loss_mask"]
-    kd = masked_mean(kd_divergence_BS(logits_BSV, teacher_logits_BSV, temperature), mask_BS)
-    return masked_mean(losses_BS, mask_BS), router_loss, kd
 
 
 def _global_shapes(config: GPTConfig) -> dict[str, torch.Size]:

@@ -3,12 +3,74 @@ TensorBoard (written by the first rank only)."""
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from megatron.training.losses import Losses
 from megatron.training.moe_monitor import LayerLoad
 
 LINE = "-" * 100
 PROGRESS_SECONDS = 30.0  # long work (evaluation, slow iterations) says how far it got at least this often
+
+
+@dataclass
+class LogWindow:
+    """The iterations since the last training line: this rank's loss terms of each and how many
+    of them skipped their step. A checkpoint saved between two lines carries it (every
+    rank's, in the client state), so that the first line after a resume averages the same
+    iterations as the uninterrupted run's line does, to the last bit."""
+
+    losses: list[Losses] = field(default_factory=list)
+    skipped: int = 0
+    carried: int = 0  # how many came from the checkpoint: not timed here, not in this run's losses
+
+    CLIENT_KEY = "log_window"
+
+    def client_state(self, every_rank: list[list[list[float]]]) -> dict[str, Any]:
+        """What the checkpoint keeps: `every_rank[r]` is rank r's `as_lists()` (terms in `Losses` order)."""
+        return {self.CLIENT_KEY: {"losses": every_rank, "skipped": self.skipped}}
+
+    def stacked(self) -> Losses:
+        """Each term of every iteration in the window, as a tensor [iterations]."""
+        return Losses.from_vector(torch.stack([losses.vector() for losses in self.losses]))
+
+    def as_lists(self) -> list[list[float]]:
+        return self.stacked().vector().tolist() if self.losses else []
+
+    @classmethod
+    def from_client_state(cls, client: dict[str, Any], rank: int, world_size: int, device: torch.device) -> "LogWindow":
+        """This rank's window from a checkpoint's client state; an empty one from a checkpoint
+        without it (saved at a line, or by an earlier version). Resumed with another world size,
+        every rank takes the mean over the saved ranks: the same iterations, to rounding."""
+        saved = client.get(cls.CLIENT_KEY)
+        if not saved or not saved["losses"] or not saved["losses"][0]:
+            return cls()
+        ranks = torch.tensor(saved["losses"], dtype=torch.float32, device=device)  # [ranks, iterations, terms]
+        mine = ranks[rank] if len(ranks) == world_size else ranks.mean(0)
+        return cls([Losses.from_vector(terms) for terms in mine.unbind(0)], int(saved["skipped"]), carried=len(mine))
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    """What a training line reports about the iterations since the previous one (losses: means
+    over them and the data-parallel ranks; None where the run has no such term)."""
+
+    consumed_samples: int
+    consumed_tokens: int
+    iteration_ms: float
+    lr: float
+    global_batch_size: int
+    lm_loss: float
+    moe_loss: float | None
+    kd_loss: float | None
+    loss_scale: float | None  # fp16 only
+    grad_norm: float
+    skipped: int  # iterations in the interval that skipped their step
+    skipped_total: int
+    tokens_per_second: float
+    tflops: float  # per rank
 
 
 class TrainingLogger:
@@ -36,44 +98,43 @@ class TrainingLogger:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, iteration)
 
-    def training_line(self, iteration: int, train_iters: int, stats: dict[str, Any]) -> None:
+    def training_line(self, iteration: int, train_iters: int, stats: "IntervalStats") -> None:
         fields = [
             f" iteration {iteration:8d}/{train_iters:8d}",
-            f"consumed samples: {stats['consumed_samples']:12d}",
-            f"consumed tokens: {stats['consumed_tokens']:14d}",
-            f"elapsed time per iteration (ms): {stats['iteration_ms']:.1f}",
-            f"learning rate: {stats['lr']:.3E}",
-            f"global batch size: {stats['global_batch_size']:5d}",
-            f"lm loss: {stats['lm_loss']:.6E}",
+            f"consumed samples: {stats.consumed_samples:12d}",
+            f"consumed tokens: {stats.consumed_tokens:14d}",
+            f"elapsed time per iteration (ms): {stats.iteration_ms:.1f}",
+            f"learning rate: {stats.lr:.3E}",
+            f"global batch size: {stats.global_batch_size:5d}",
+            f"lm loss: {stats.lm_loss:.6E}",
         ]
-        if stats.get("moe_loss") is not None:
-            fields.append(f"moe loss: {stats['moe_loss']:.6E}")
-        if stats.get("kd_loss") is not None:
-            fields.append(f"kd loss: {stats['kd_loss']:.6E}")
-        if stats.get("loss_scale") is not None:
-            fields.append(f"loss scale: {stats['loss_scale']:.1f}")
+        if stats.moe_loss is not None:
+            fields.append(f"moe loss: {stats.moe_loss:.6E}")
+        if stats.kd_loss is not None:
+            fields.append(f"kd loss: {stats.kd_loss:.6E}")
+        if stats.loss_scale is not None:
+            fields.append(f"loss scale: {stats.loss_scale:.1f}")
         fields += [
-            f"grad norm: {stats['grad_norm']:.3f}",
-            f"number of skipped iterations: {stats['skipped']:3d}",
-            f"tokens per second: {stats['tokens_per_second']:.1f}",
-            f"TFLOP/s: {stats['tflops']:.3f}",
+            f"grad norm: {stats.grad_norm:.3f}",
+            f"number of skipped iterations: {stats.skipped:3d}",
+            f"tokens per second: {stats.tokens_per_second:.1f}",
+            f"TFLOP/s: {stats.tflops:.3f}",
         ]
         self.info(" | ".join(fields) + " |")
+        optional = {"loss-scale": stats.loss_scale, "moe loss": stats.moe_loss, "kd loss": stats.kd_loss}
         self.scalars(
             iteration,
             {
-                "learning-rate": stats["lr"],
-                "lm loss": stats["lm_loss"],
-                "grad-norm": stats["grad_norm"],
-                "iteration-time": stats["iteration_ms"] / 1000.0,
-                "tokens-per-second": stats["tokens_per_second"],
-                "tflops": stats["tflops"],
-                "batch-size": stats["global_batch_size"],
-                "skipped-iterations": stats["skipped"],
-                "skipped-iterations-total": stats["skipped_total"],
-                **({"loss-scale": stats["loss_scale"]} if stats.get("loss_scale") is not None else {}),
-                **({"moe loss": stats["moe_loss"]} if stats.get("moe_loss") is not None else {}),
-                **({"kd loss": stats["kd_loss"]} if stats.get("kd_loss") is not None else {}),
+                "learning-rate": stats.lr,
+                "lm loss": stats.lm_loss,
+                "grad-norm": stats.grad_norm,
+                "iteration-time": stats.iteration_ms / 1000.0,
+                "tokens-per-second": stats.tokens_per_second,
+                "tflops": stats.tflops,
+                "batch-size": stats.global_batch_size,
+                "skipped-iterations": stats.skipped,
+                "skipped-iterations-total": stats.skipped_total,
+                **{name: value for name, value in optional.items() if value is not None},
             },
         )
 

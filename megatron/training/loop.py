@@ -13,6 +13,7 @@ import torch
 from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
 from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.save_lock import hold_save_lock
 from megatron.config.flags import PretrainConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
@@ -24,14 +25,15 @@ from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
 from megatron.parallel import ParallelGrid, all_reduce
 from megatron.runtime.config.schema import RuntimeConfig
-from megatron.runtime.engine import Engine, build_optimizer, initialize
+from megatron.runtime.engine import build_optimizer, initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
-from megatron.training.distill import distillation_losses, init_student_from_teacher, load_teacher, teacher_checkpoint
+from megatron.training.distill import init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.training.exit_conditions import ExitConditions
-from megatron.training.log import TrainingLogger
-from megatron.training.losses import masked_mean
+from megatron.training.log import IntervalStats, LogWindow, TrainingLogger
+from megatron.training.losses import Losses
 from megatron.training.moe_monitor import MoEMonitor
+from megatron.training.step import ForwardStep, GPTBatch, StageForward, forward_step, gpt_batch
 from megatron.training.upcycling import upcycle_from_checkpoint
 
 
@@ -54,21 +56,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def gpt_batch(text: torch.Tensor, eod: int, eod_mask_loss: bool, device: torch.device) -> dict[str, torch.Tensor]:
-    """Split seq+1 tokens into inputs and shifted labels, with the loss mask (the datasets have
-    checked every id against the vocabulary as they read the sample)."""
-    text = text.to(device, non_blocking=True)
-    tokens, labels = text[:, :-1], text[:, 1:]
-    loss_mask = (tokens != eod).float() if eod_mask_loss else torch.ones_like(labels, dtype=torch.float32)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
-
-
-def lm_loss(engine: Engine, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked-mean cross entropy and the model's MoE router loss (aux + z-loss, weighted)."""
-    losses_BS, router_loss = engine(batch["tokens"], labels_BS=batch["labels"])
-    return masked_mean(losses_BS, batch["loss_mask"]), router_loss
-
-
 def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
     """The settings that decide a run's memory and speed, for the log's first line."""
     zero = runtime.zero_optimization
@@ -85,9 +72,10 @@ def run_summary(runtime: RuntimeConfig, grid: ParallelGrid) -> str:
 
 
 class Trainer:
-    def __init__(self, config: PretrainConfig, grid: ParallelGrid) -> None:
+    def __init__(self, config: PretrainConfig, grid: ParallelGrid, forward: ForwardStep = forward_step) -> None:
         self.config = config
         self.grid = grid
+        self.forward = forward  # every micro-batch's forward, in training and evaluation (step.py)
         t = config.training
         built = {
             "expert": (grid.ep_size, t.expert_parallel_size),
@@ -124,7 +112,7 @@ class Trainer:
             config.model.num_layers, grid.pp_size, grid.pp_rank, t.first_stage_layers, t.last_stage_layers
         )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
-        self.moe_monitor = MoEMonitor(model)
+        self.moe_monitor = MoEMonitor()
         ckpt = config.checkpoint
         self.load_dir = ckpt.load
         if ckpt.moe_use_upcycling:
@@ -169,6 +157,8 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.saved_iteration: int | None = None
+        self.window = LogWindow()  # the iterations since the last log line (a resume carries them)
+        self.run_start = (0, 0)  # iteration and skipped steps where train() began
         if self.resume_from is not None:
             self._load(self.resume_from)
 
@@ -216,6 +206,7 @@ class Trainer:
         else:
             self.iteration = self.saved_iteration = client["iteration"]
             self.consumed_samples = client["consumed_samples"]
+            self.window = LogWindow.from_client_state(client, self.grid.rank, self.grid.world_size, self.grid.device)
 
     def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> tuple[GPTModel | None, bool]:
         """Check the teacher, initialise a fresh student from it if asked, and return it while KD
@@ -302,7 +293,7 @@ class Trainer:
         )
         return iter(loader)
 
-    def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> GPTBatch:
         return gpt_batch(next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device)
 
     def dp_mean(self, value: torch.Tensor) -> float:
@@ -310,35 +301,30 @@ class Trainer:
         all_reduce(value, self.grid.dp_group)
         return float(value / self.grid.dp_size)
 
-    def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def _train_forward(
+        self, batch: GPTBatch, hidden_BSH: torch.Tensor | None = None
+    ) -> tuple[StageForward, torch.Tensor]:
+        """A training micro-batch's forward on this stage and the objective it backpropagates; its
+        routing statistics go to the MoE monitor."""
+        d = self.config.distill
+        step = self.forward(self.engine, batch, self.teacher, d.temperature if d else 1.0, hidden_BSH)
+        self.moe_monitor.accumulate(step.routing)
+        return step, step.losses.objective(d if self.teacher is not None else None)
+
+    def train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> Losses:
         """One global batch: every micro-batch forward + backward, then the engine's step.
-        Returns the mean [lm loss, moe loss, kd loss] of its micro-batches."""
+        Returns the mean loss terms of its micro-batches."""
         self.engine.module.train()
         if self.grid.pp_size > 1:
             return self._pipeline_train_step(data_iter)
-        total = torch.zeros(3, device=self.grid.device)
-        d = self.config.distill
+        total = Losses.zeros(self.grid.device)
         for _ in range(self.engine.gradient_accumulation_steps):
-            batch = self._batch(data_iter)
-            if self.teacher is None:
-                loss, router_loss = lm_loss(self.engine, batch)
-                kd = None
-            else:
-                loss, router_loss, kd = distillation_losses(self.engine, self.teacher, batch, d.temperature)
-            self.engine.backward(self._objective(loss, router_loss, kd))
+            step, objective = self._train_forward(self._batch(data_iter))
+            self.engine.backward(objective)
             self.engine.step()
-            self.moe_monitor.accumulate()
-            total += torch.stack([loss, router_loss, torch.zeros_like(loss) if kd is None else kd]).detach()
+            total = total + step.losses.detach()
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
-
-    def _objective(self, loss: torch.Tensor, router_loss: torch.Tensor, kd: torch.Tensor | None) -> torch.Tensor:
-        """What a micro-batch backpropagates: its LM and router losses, weighted with the KD term
-        as --mos asks when there is one."""
-        if kd is None:
-            return loss + router_loss
-        d = self.config.distill
-        return d.alpha_ce * loss + router_loss + d.beta_ce * kd
 
     def _stage_links(self) -> StageLinks:
         t, grid = self.config.training, self.grid
@@ -351,41 +337,31 @@ class Trainer:
             grid.device,
         )
 
-    def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> Losses:
         """The global batch's micro-batches in the 1F1B schedule; every stage reads the same ones
         (the first needs the tokens, the last the labels). The LM loss comes from the last stage;
         the router losses add up over the stages; with a teacher (the last stage's) its KD term too."""
-        engine, grid, d = self.engine, self.grid, self.config.distill
+        engine, grid = self.engine, self.grid
         batches = [self._batch(data_iter) for _ in range(engine.gradient_accumulation_steps)]
-        total = torch.zeros(3, device=grid.device)
+        total = Losses.zeros(grid.device)
 
         def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
-            batch = batches[index]
-            if self.teacher is not None:
-                loss, router_loss, kd = distillation_losses(engine, self.teacher, batch, d.temperature, hidden_BSH)
-                total.add_(torch.stack([loss, router_loss, kd]).detach())
-                return None, (self._objective(loss, router_loss, kd), None, hidden_BSH)
-            output, router_loss = engine(batch["tokens"], labels_BS=batch["labels"], hidden_BSH=hidden_BSH)
-            total[1] += router_loss.detach()
-            if not grid.is_last_stage:
-                return output, (router_loss, output, hidden_BSH)
-            loss = masked_mean(output, batch["loss_mask"])
-            total[0] += loss.detach()
-            return None, (self._objective(loss, router_loss, None), None, hidden_BSH)
+            nonlocal total
+            step, objective = self._train_forward(batches[index], hidden_BSH)
+            total = total + step.losses.detach()
+            return step.hidden_BSH, (objective, step.hidden_BSH, hidden_BSH)
 
         def backward(saved: object, grad_BSH: torch.Tensor | None) -> torch.Tensor | None:
             objective, output, hidden_BSH = saved
             engine.backward(objective, output, grad_BSH)
             if not engine.is_gradient_accumulation_boundary():  # the update waits for the schedule's last send
                 engine.step()
-            self.moe_monitor.accumulate()
             return None if hidden_BSH is None else hidden_BSH.grad
 
         one_forward_one_backward(len(batches), grid.pp_rank, grid.pp_size, self._stage_links(), forward, backward)
         engine.step()
-        all_reduce(total, grid.pp_group)
         update_expert_biases(engine.module, grid.stage_group, step_taken=not engine.last_step_skipped)
-        return total / len(batches)
+        return total.summed_over(grid.pp_group) / len(batches)
 
     @torch.no_grad()
     def evaluate(self, dataset: Any) -> float:
@@ -400,20 +376,16 @@ class Trainer:
 
             def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
                 nonlocal total
-                output, _ = self.engine(
-                    batches[index]["tokens"], labels_BS=batches[index]["labels"], hidden_BSH=hidden_BSH
-                )
-                if not self.grid.is_last_stage:
-                    return output, None
-                total += masked_mean(output, batches[index]["loss_mask"])
-                return None, None
+                step = self.forward(self.engine, batches[index], hidden_BSH=hidden_BSH)
+                total += step.losses.lm
+                return step.hidden_BSH, None
 
             forward_only(steps, self._stage_links(), forward)
             all_reduce(total, self.grid.pp_group)
         else:
-            for step in range(steps):
-                total += lm_loss(self.engine, self._batch(data_iter))[0]
-                self.log.progress("evaluation micro-batches", step + 1, steps)
+            for index in range(steps):
+                total += self.forward(self.engine, self._batch(data_iter)).losses.lm
+                self.log.progress("evaluation micro-batches", index + 1, steps)
         self.engine.module.train()
         return self.dp_mean(total / steps)
 
@@ -425,6 +397,8 @@ class Trainer:
             "model_config": model_config,
             "flags": self.config.flags,
         }
+        if self.window.losses:  # saved between two log lines (on every rank alike): the next line needs them
+            client.update(self.window.client_state(self.grid.gather_from_all(self.window.as_lists())))
         data = self.config.data
         run = RunRecord(
             iteration=self.iteration,
@@ -483,16 +457,23 @@ class Trainer:
     def _train(self, exits: ExitConditions) -> TrainResult:
         cfg, t = self.config, self.config.training
         result = TrainResult(iteration=self.iteration)
+        self.run_start = (self.iteration, self.engine.skipped_steps)  # this run's skipped steps count from here
+        if self.iteration >= t.train_iters:  # a finished run started again: its last checkpoint is loaded
+            self.log.info(
+                f" > training is already complete at iteration {self.iteration} of {t.train_iters}; "
+                "raise --train-iters to train further"
+            )
         if cfg.logging.eval_at_start and self.iteration == 0:
             self._validate(result)
-        data_iter = self.loader(self.train_data, self.consumed_samples)
+        data_iter = self.loader(self.train_data, self.consumed_samples) if self.iteration < t.train_iters else None
         flops_per_iteration = self.model_config.flops_per_token(t.seq_length) * t.tokens_per_iteration
-        interval_losses: list[torch.Tensor] = []  # read back once per log interval: no per-step sync
-        interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
+        window = self.window  # read back once per log interval: no per-step sync
+        interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps - window.skipped
         while self.iteration < t.train_iters:
-            interval_losses.append(self.train_step(data_iter))
+            window.losses.append(self.train_step(data_iter))
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
+            window.skipped = self.engine.skipped_steps - interval_skipped
             self._check_step()
             self.log.progress("iterations done", self.iteration, t.train_iters)
             exit_reason = exits.reason(self.iteration)
@@ -501,35 +482,37 @@ class Trainer:
             if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters or exit_reason:
                 if self.grid.device.type == "cuda":
                     torch.cuda.synchronize()
-                seconds = (time.perf_counter() - interval_start) / len(interval_losses)
-                interval = torch.stack(interval_losses)
-                result.losses += interval[:, 0].tolist()
-                result.kd_losses += interval[:, 2].tolist()
-                lm, moe, kd = (self.dp_mean(value) for value in interval.mean(0))
-                kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(interval))
+                seconds = (time.perf_counter() - interval_start) / (len(window.losses) - window.carried)
+                interval = window.stacked()  # each term [iterations]
+                result.losses += interval.lm[window.carried :].tolist()
+                result.kd_losses += interval.kd[window.carried :].tolist()
+                means = Losses.from_vector(interval.vector().mean(0))
+                lm, moe, kd = self.dp_mean(means.lm), self.dp_mean(means.moe), self.dp_mean(means.kd)
+                kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(window.losses))
                 self.log.training_line(
                     self.iteration,
                     t.train_iters,
-                    {
-                        "consumed_samples": self.consumed_samples,
-                        "consumed_tokens": self.consumed_samples * t.seq_length,
-                        "iteration_ms": 1000.0 * seconds,
-                        "lr": self.engine.get_lr()[0],
-                        "global_batch_size": t.global_batch_size,
-                        "lm_loss": lm,
-                        "moe_loss": moe if self.model_config.is_moe else None,
-                        "kd_loss": kd if kd_in_interval else None,
-                        "loss_scale": self.engine.loss_scaler.scale if self.runtime.precision == "fp16" else None,
-                        "grad_norm": self.engine.last_grad_norm,
-                        "skipped": self.engine.skipped_steps - interval_skipped,
-                        "skipped_total": self.engine.skipped_steps,
-                        "tokens_per_second": t.tokens_per_iteration / seconds,
-                        "tflops": flops_per_iteration / seconds / 1e12 / self.grid.world_size,
-                    },
+                    IntervalStats(
+                        consumed_samples=self.consumed_samples,
+                        consumed_tokens=self.consumed_samples * t.seq_length,
+                        iteration_ms=1000.0 * seconds,
+                        lr=self.engine.get_lr()[0],
+                        global_batch_size=t.global_batch_size,
+                        lm_loss=lm,
+                        moe_loss=moe if self.model_config.is_moe else None,
+                        kd_loss=kd if kd_in_interval else None,
+                        loss_scale=self.engine.loss_scaler.scale if self.runtime.precision == "fp16" else None,
+                        grad_norm=self.engine.last_grad_norm,
+                        skipped=window.skipped,
+                        skipped_total=self.engine.skipped_steps,
+                        tokens_per_second=t.tokens_per_iteration / seconds,
+                        tflops=flops_per_iteration / seconds / 1e12 / self.grid.world_size,
+                    ),
                 )
                 self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group, self.grid.pp_group))
-                interval_losses.clear()
-                interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
+                if not exit_reason:  # the exit's save keeps the window: the resumed run's next line is this run's
+                    self.window = window = LogWindow()
+                    interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
             if exit_reason:
                 return self._exit_early(result, exit_reason)
             if self.iteration % cfg.logging.eval_interval == 0:
@@ -541,6 +524,7 @@ class Trainer:
             ):
                 self._save(result)
         result.iteration = self.iteration
+        self._refuse_a_run_that_trained_nothing()
         if t.train_iters % cfg.logging.eval_interval:
             self._validate(result)
         if self.test_data is not None:
@@ -552,14 +536,52 @@ class Trainer:
         self.log.close()
         return result
 
+    def _skipped_this_run(self) -> str | None:
+        """How many of this run's iterations skipped their step, for its last line; None when none did."""
+        start_iteration, start_skipped = self.run_start
+        skipped = self.engine.skipped_steps - start_skipped
+        if not skipped:
+            return None
+        fp16 = self.runtime.precision == "fp16"
+        scale = f"; the fp16 loss scale is {self.engine.loss_scaler.scale:g} now" if fp16 else ""
+        return (
+            f"{skipped} of the {self.iteration - start_iteration} iterations of this run skipped their step "
+            f"(non-finite gradients{scale})"
+        )
+
+    def _refuse_a_run_that_trained_nothing(self) -> None:
+        """Every iteration of this run skipped its step (an fp16 loss scale far too high, say): stop
+        with one sentence, before the end's save, rather than exit 0 as if it had trained."""
+        start_iteration, start_skipped = self.run_start
+        trained = self.iteration - start_iteration
+        if not trained or self.engine.skipped_steps - start_skipped < trained:
+            return
+        engine, fp16 = self.engine, self.runtime.fp16
+        why = engine.last_nonfinite.describe() if engine.last_nonfinite is not None else "the gradients are not finite"
+        if self.runtime.precision != "fp16":
+            fix = "lower --lr, or check the data and the checkpoint loaded"
+        elif fp16.loss_scale > 0:
+            why += f" at the static fp16 loss scale {engine.loss_scaler.scale:g}"
+            fix = "lower --loss-scale or leave it out to scale dynamically, or train in bf16"
+        else:
+            why += f"; the dynamic fp16 loss scale came down to {engine.loss_scaler.scale:g}"
+            fix = "lower --initial-loss-scale or --lr, or train in bf16"
+        last_saved = f"iteration {self.saved_iteration}" if self.saved_iteration is not None else "none"
+        raise TrainingStopped(
+            f"all {trained} iterations of this run skipped their step ({why}), so nothing was trained and the run "
+            f"stopped without saving its end (last checkpoint: {last_saved}); {fix}"
+        )
+
     def _exit_early(self, result: TrainResult, reason: str) -> TrainResult:
         """Save (unless this iteration is saved already) and stop, as Megatron's planned exits do."""
         result.iteration, result.exit_reason = self.iteration, reason
         if self.config.checkpoint.save and self.saved_iteration != self.iteration:
             self._save(result)
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "nothing saved (no --save)"
+        skipped = self._skipped_this_run()
         self.log.info(
             f" > exiting at iteration {self.iteration} of {self.config.training.train_iters}: {reason}; {saved}"
+            + (f"; {skipped}" if skipped else "")
         )
         self.log.close()
         return result
@@ -574,7 +596,13 @@ class Trainer:
             self.log.info(f" > checkpoint: {result.checkpoint}")
         if self.config.logging.tensorboard_dir:
             self.log.info(f" > TensorBoard logs: {self.config.logging.tensorboard_dir}")
+        skipped = self._skipped_this_run()
+        if skipped:  # the run's last line
+            self.log.info(f" > {skipped}")
 
 
 def pretrain(config: PretrainConfig, grid: ParallelGrid) -> TrainResult:
-    return Trainer(config, grid).train()
+    """A training run: the one writer of its --save folder, which it locks from before the folder
+    is read (a resume repairs what a crash left there) until the run ends (save_lock.py)."""
+    with hold_save_lock(config.checkpoint.save, grid):
+        return Trainer(config, grid).train()

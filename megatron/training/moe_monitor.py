@@ -7,11 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.model import GPTModel
-from megatron.model.moe import MoELayer
+from megatron.model.moe.layer import RoutingStats
 from megatron.parallel import all_reduce, is_parallel
 
-STAT_KEYS = ("tokens_per_expert", "dropped", "routed", "entropy_sum", "tokens")
+SUMMED = ("tokens_per_expert_E", "dropped", "routed", "entropy_sum", "tokens")
 
 
 @dataclass
@@ -24,21 +23,15 @@ class LayerLoad:
 
 
 class MoEMonitor:
-    def __init__(self, model: GPTModel) -> None:
-        # numbered by global layer index: a pipeline stage holds some of the layers
-        self.layers = [
-            (int(index) + 1, block.mlp)
-            for index, block in model.layers.named_children()
-            if isinstance(block.mlp, MoELayer)
-        ]
+    def __init__(self) -> None:
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
 
-    def accumulate(self) -> None:
-        """Add the last forward's statistics of every MoE layer (call after each micro-batch)."""
-        for number, layer in self.layers:
+    def accumulate(self, routing: dict[int, RoutingStats]) -> None:
+        """Add one forward's statistics of this stage's MoE layers, by layer number (`GPTOutput.routing`)."""
+        for number, stats in routing.items():
             totals = self.sums.setdefault(number, {})
-            for key in STAT_KEYS:
-                value = layer.stats[key]
+            for key in SUMMED:
+                value = getattr(stats, key)
                 totals[key] = totals[key] + value if key in totals else value.clone()
 
     def report(self, group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None) -> list[LayerLoad]:
@@ -46,7 +39,7 @@ class MoEMonitor:
         stage), of every stage's layers (gathered over `pp_group`); resets the sums."""
         loads = []
         for number, totals in sorted(self.sums.items()):
-            flat = torch.cat([totals[key].reshape(-1).double() for key in STAT_KEYS])
+            flat = torch.cat([totals[key].reshape(-1).double() for key in SUMMED])
             all_reduce(flat, group)
             counts, dropped, routed, entropy, tokens = flat.split([flat.numel() - 4, 1, 1, 1, 1])
             mean = counts.mean().item()

@@ -11,6 +11,8 @@ of all its ranks together.
 Legend: B batch, S sequence, H hidden, T = B * S tokens, E experts in the layer.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,8 +30,27 @@ from megatron.model.moe.dispatch import (
     sort_by_expert,
 )
 from megatron.model.moe.experts import GroupedExperts
-from megatron.model.moe.router import Router
+from megatron.model.moe.router import Gating, Router
 from megatron.model.tensor_parallel import sum_gradient_over
+
+
+@dataclass
+class RoutingStats:
+    """What users watch of one forward's routing: load per expert, dropped choices, router entropy."""
+
+    tokens_per_expert_E: torch.Tensor
+    dropped: torch.Tensor  # routed choices past their expert's capacity
+    routed: torch.Tensor  # routed choices, T * k
+    entropy_sum: torch.Tensor  # router entropy summed over tokens, nats
+    tokens: torch.Tensor
+    l_aux: torch.Tensor  # the balancing loss before its coefficient
+
+
+@dataclass
+class MoEOutput:
+    hidden_BSH: torch.Tensor
+    router_loss: torch.Tensor  # this layer's weighted aux + z-loss
+    routing: RoutingStats
 
 
 class MoELayer(nn.Module):
@@ -83,10 +104,9 @@ class MoELayer(nn.Module):
         dense = [self.router, self.coefficient, self.residual_mlp, self.shared_expert]
         for param in (p for module in dense if module is not None for p in module.parameters()):
             sum_gradient_over(param, sequence_group)
-        self.stats: dict[str, torch.Tensor] = {}
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the output [B, S, H] and this layer's weighted router loss (aux + z-loss)."""
+    def forward(self, x_BSH: torch.Tensor) -> MoEOutput:
+        """The layer's output [B, S, H], its weighted router loss and this forward's routing statistics."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         gating, logits_TE = self.router(
             x_TH, self.ep_group, num_sequences=x_BSH.shape[0], sequence_group=self.sequence_group
@@ -111,18 +131,16 @@ class MoELayer(nn.Module):
             loss = loss + self.config.z_loss_coeff * token_mean(
                 torch.logsumexp(logits_TE, dim=-1).square(), 0, self.sequence_group
             )
-        self._record(gating, logits_TE)
-        return out_TH.view_as(x_BSH).to(x_BSH.dtype), loss
+        return MoEOutput(out_TH.view_as(x_BSH).to(x_BSH.dtype), loss, self._routing_stats(gating, logits_TE))
 
     @torch.no_grad()
-    def _record(self, gating, logits_TE: torch.Tensor) -> None:
-        """What users watch: load per expert, dropped share and router entropy of the last forward."""
+    def _routing_stats(self, gating: Gating, logits_TE: torch.Tensor) -> RoutingStats:
         probs = self.router.probabilities(logits_TE)
-        self.stats = {
-            "tokens_per_expert": gating.tokens_per_expert,
-            "dropped": (gating.positions < 0).sum(),
-            "routed": torch.tensor(gating.positions.numel(), device=logits_TE.device),
-            "entropy_sum": -(probs * probs.clamp(min=1e-20).log()).sum(),
-            "tokens": torch.tensor(logits_TE.shape[0], device=logits_TE.device),
-            "l_aux": gating.l_aux.detach(),
-        }
+        return RoutingStats(
+            tokens_per_expert_E=gating.tokens_per_expert,
+            dropped=(gating.positions < 0).sum(),
+            routed=torch.tensor(gating.positions.numel(), device=logits_TE.device),
+            entropy_sum=-(probs * probs.clamp(min=1e-20).log()).sum(),
+            tokens=torch.tensor(logits_TE.shape[0], device=logits_TE.device),
+            l_aux=gating.l_aux.detach(),
+        )
