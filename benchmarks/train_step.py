@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron.parallel import build_parallel_grid
-from megatron.runtime.engine import build_optimizer
+from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.training.loop import Trainer
 from megatron.training.step import GPTBatch
 from tests.training_fixtures import tiny_config, write_corpus

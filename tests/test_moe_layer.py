@@ -292,7 +292,7 @@ def test_router_loss_is_weighted_aux_plus_z_loss():
 
 def test_expert_biases_get_no_weight_decay_and_expert_matrices_do():
     from megatron.runtime.config.schema import RuntimeConfig
-    from megatron.runtime.engine import build_optimizer
+    from megatron.runtime.optimizer_factory import build_optimizer
 
     layer = make_layer(4, MoEConfig())
     optimizer = build_optimizer(layer, RuntimeConfig(optimizer={"params": {"weight_decay": 0.1}}))

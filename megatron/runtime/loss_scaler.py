@@ -8,6 +8,7 @@ scale_window clean steps since the last overflow the scale doubles.
 from typing import Any
 
 from megatron.errors import UserError
+from megatron.runtime.config.schema import RuntimeConfig
 
 
 class LossScaleError(UserError):
@@ -82,3 +83,18 @@ class DynamicLossScaler:
         self.hysteresis_left = int(state["hysteresis_left"])
         self.iteration = int(state["iteration"])
         self.last_overflow_iteration = int(state["last_overflow_iteration"])
+
+
+def build_loss_scaler(config: RuntimeConfig) -> DynamicLossScaler | StaticLossScaler:
+    fp16 = config.fp16
+    if not fp16.enabled:
+        return StaticLossScaler(1.0)
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(fp16.loss_scale)
+    return DynamicLossScaler(
+        init_scale=2.0**fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_scale=fp16.min_loss_scale,
+    )

@@ -25,8 +25,9 @@ from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
 from megatron.parallel import ParallelGrid, all_reduce
 from megatron.runtime.config.schema import RuntimeConfig
-from megatron.runtime.engine import build_optimizer, initialize
+from megatron.runtime.engine import initialize
 from megatron.runtime.lr_schedules import AnnealingLR
+from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
 from megatron.training.distill import init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.training.exit_conditions import ExitConditions
