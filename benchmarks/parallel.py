@@ -64,8 +64,8 @@ import megatron.training.loop
 from benchmarks.moe_layer import cpu_name, proc_status_bytes
 from benchmarks.zero import tensor_bytes
 from megatron.config.flags import PretrainConfig
-from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid
+from megatron.placement import tensor_parallel_split
 from megatron.runtime.pipeline_schedule import StageLinks
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed

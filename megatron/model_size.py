@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from megatron.checkpoint.tensors import expert_ids
 from megatron.config.flags import PretrainConfig
 from megatron.data.tokenizer import build_tokenizer, padded_vocab_size
 from megatron.errors import ConfigError, DataError
@@ -36,6 +35,7 @@ from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
 from megatron.model.pipeline_stage import layer_counts
 from megatron.parallel import check_parallel_sizes
+from megatron.placement import expert_ids
 
 GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)

@@ -15,7 +15,7 @@ requires_cuda = pytest.mark.skipif(
 TIERS = {
     "unit": """aio_tools arguments checksum config_faults cpu_adam cuda_paths data_integrity data_loader_worker_faults
         deepspeed_config gpt_dataset indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating
-        package_imports resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
+        package_imports placement resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
         zero_residency""",
     "integration": "checkpoint_faults generation hf_import_faults load_config_check memory run_end_faults runtime",
     "distributed": """config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop long_runs

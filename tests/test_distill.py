@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.config.flags import parse_args
 from megatron.errors import CheckpointError, ConfigError
-from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.placement import tensor_parallel_split
 from megatron.training.loop import Trainer
 from megatron.training.losses import kd_divergence_BS, masked_mean
 from tests.dist_utils import run_distributed

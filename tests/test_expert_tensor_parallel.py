@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.errors import ConfigError
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.layer import MoELayer
-from megatron.model.tensor_parallel import tensor_parallel_split
+from megatron.placement import tensor_parallel_split
 from tests.dist_utils import run_distributed
 
 H, F, E, TOKENS = 8, 12, 4, 10

@@ -12,7 +12,7 @@ from megatron.config.flags import build_parser, model_config_from_args
 from megatron.errors import ConfigError
 from megatron.model import GPTModel
 from megatron.model.pipeline_stage import pipeline_stage
-from megatron.model.tensor_parallel import TensorParallel, tensor_parallel_split
+from megatron.model.tensor_parallel import TensorParallel
 from megatron.model_size import (
     GIB,
     ParameterCounts,
@@ -25,6 +25,7 @@ from megatron.model_size import (
     valid_ep_sizes,
     with_scale,
 )
+from megatron.placement import tensor_parallel_split
 from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,6 +12,7 @@ from megatron.model.moe.experts import GroupedExperts
 from megatron.model.moe.grouped_gemm import _LoopedGroupedLinear, grouped_linear
 from megatron.model.transformer import swiglu as swiglu_mlp
 from megatron.parallel import build_parallel_grid
+from megatron.placement import expert_ids
 from tests.dist_utils import run_distributed
 
 H, FFN = 16, 32
@@ -255,7 +256,7 @@ def _ep_versus_full(
         results[f"{name}_out"] = out.detach()
         results[f"{name}_loss"] = loss.detach()
         results[f"{name}_router_grad"] = layer.router.weight.grad
-    local = list(ep_layer.experts.w1.expert_global_ids)
+    local = list(expert_ids(ep_layer.experts.w1))
     for param in ("w1", "b1", "w2", "b2"):
         full_grad = getattr(full.experts, param).grad.clone()
         dist.all_reduce(full_grad, group=grid.ep_group)  # an expert's gradient sums its EP group's tokens

@@ -20,6 +20,7 @@ from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.moe.router import Router, topk_gating
 from megatron.model.moe.scoring import score_topk
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.placement import expert_ids
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import poisoned_forward, tiny_config, write_corpus
@@ -507,7 +508,7 @@ def _train_biased(corpus: str, ep_size: int, train_iters: int) -> dict[str, torc
     result = trainer.train()
     out = {"losses": torch.tensor(result.losses, dtype=torch.float64), **_biases(trainer)}
     for name, param in trainer.engine.module.named_parameters():
-        if getattr(param, "expert_global_ids", None) is None:
+        if expert_ids(param) is None:
             out[name] = param.detach().clone()
     return out
 

@@ -9,6 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.checkpoint.tensors import ShardedReader
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.placement import expert_ids
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import tiny_config, write_corpus
@@ -85,7 +86,7 @@ def _train(
     result = trainer.train()
     out = {"losses": torch.tensor(result.losses, dtype=torch.float64), "start": torch.tensor(start)}
     for name, param in trainer.engine.module.named_parameters():
-        ids = getattr(param, "expert_global_ids", None)
+        ids = expert_ids(param)
         if ids is None:
             out[name] = param.detach().clone()
         else:

@@ -120,3 +120,10 @@ def test_every_main_is_a_command_line_entry_behind_run_entry_point() -> None:
                 elif "run_entry_point" not in calls:
                     bare.append(str(path.relative_to(MEGATRON.parent)))
     assert misplaced == [] and bare == []
+
+
+def test_the_runtime_knows_parameters_by_their_placement_not_by_the_model() -> None:
+    """The runtime reads where a parameter lives from megatron/placement.py (issue 29 point 5)."""
+    graph = import_graph(MEGATRON)
+    assert "model" not in graph["runtime"], dict(graph["runtime"]["model"])
+    assert "placement" in graph["runtime"] and "placement" in graph["model"]

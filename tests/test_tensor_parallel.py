@@ -30,14 +30,13 @@ from megatron.model.tensor_parallel import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
     sequence_gathered_linear,
-    shard,
     sum_gradient_over,
-    tensor_parallel_split,
     tp_rank_and_size,
-    unshard,
     vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import init_linear_, init_normal_, swiglu
+from megatron.placement import tensor_parallel_split
+from megatron.tensor_split import shard, unshard
 from tests.dist_utils import run_distributed
 
 B, S, H, F_, V = 2, 4, 8, 16, 16  # F_ ffn hidden (F is torch.nn.functional)

@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from megatron.errors import ConfigError
 from megatron.model import GPTConfig, GPTModel
-from megatron.model.tensor_parallel import TensorParallel, shard, tensor_parallel_split
+from megatron.model.tensor_parallel import TensorParallel
+from megatron.placement import tensor_parallel_split
+from megatron.tensor_split import shard
 from tests.dist_utils import run_distributed
 
 BASE = dict(

@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.tensors import expert_ids
 from megatron.errors import ConfigError
-from megatron.model.tensor_parallel import tensor_parallel_split
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.placement import expert_ids, tensor_parallel_split
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus

@@ -11,6 +11,7 @@ from megatron.errors import ConfigError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
 from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.placement import expert_ids
 from megatron.training.loop import Trainer
 from megatron.training.upcycling import check_upcycling, upcycle
 from tests.dist_utils import run_distributed
@@ -109,7 +110,7 @@ def _upcycle_under_ep(ep_size: int) -> dict[str, torch.Tensor]:
         return {
             "moe": moe_model(TOKENS).logits_BSV,
             "dense": dense_model(TOKENS).logits_BSV,
-            **{f"w1[{g}]": experts.w1[i].clone() for i, g in enumerate(experts.w1.expert_global_ids)},
+            **{f"w1[{g}]": experts.w1[i].clone() for i, g in enumerate(expert_ids(experts.w1))},
         }
 
 

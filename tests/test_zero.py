@@ -12,6 +12,7 @@ from torch import nn
 
 from megatron.model.moe import MoEConfig, MoELayer
 from megatron.parallel import ParallelGrid, build_parallel_grid, single_process_grid
+from megatron.placement import expert_ids
 from megatron.runtime import initialize
 from megatron.runtime.engine import Engine
 from megatron.runtime.zero.buffer_pool import BufferPool
@@ -87,7 +88,7 @@ def parameters(engine: Engine, label: str) -> dict[str, torch.Tensor]:
     out = {}
     with engine.whole_parameters():
         for name, param in engine.module.named_parameters():
-            ids = getattr(param, "expert_global_ids", None)
+            ids = expert_ids(param)
             if ids is None:
                 out[f"{label}/{name}"] = param.detach().clone()
             else:

@@ -1,7 +1,7 @@
 """Engine state <-> safetensors files and JSON, nothing pickled.
 
 Tensors are saved under global names, so a checkpoint loads under another data- or
-expert-parallel layout: a parameter that carries `expert_global_ids` (dim 0 holds those experts)
+expert-parallel layout: a parameter whose placement has expert ids (dim 0 holds those experts)
 is stored as one entry per expert, `name[g]`; optimizer state is keyed `state_key/param_name`
 the same way. Each rank writes the entries it owns to `{stem}_rank{R}.safetensors`, and a reader
 finds any entry in any of those files. Under ZeRO an optimizer-state entry covers only the
@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from megatron.checkpoint.layout import rank_files
 from megatron.errors import CheckpointError
-from megatron.model.tensor_parallel import TP_SLICE_MARK, local_part, tensor_parallel_split, unshard
+from megatron.placement import expert_ids, local_part, tensor_parallel_split
+from megatron.tensor_split import TP_SLICE_MARK, unshard
 
 SLICE_ENTRY = re.compile(rf"(?P<name>.+){TP_SLICE_MARK}0of(?P<count>\d+)")
 EXPERT_ENTRY = re.compile(r"(?P<name>.+)\[\d+\]")  # one expert of a stacked tensor
@@ -47,10 +48,6 @@ def pack_by_size(items: list[Item], nbytes: Callable[[Item], int], max_bytes: in
         files[-1].append(item)
         size += nbytes(item)
     return files
-
-
-def expert_ids(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    return getattr(tensor, "expert_global_ids", None)
 
 
 def global_entries(name: str, tensor: torch.Tensor, ids: tuple[int, ...] | None) -> dict[str, torch.Tensor]:

@@ -21,11 +21,12 @@ from megatron.checkpoint.durable import fsync_path, write_text_durably
 from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file
 from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
 from megatron.checkpoint.save import PART_BYTES
-from megatron.checkpoint.tensors import expert_ids, global_entries, pack_by_size
+from megatron.checkpoint.tensors import global_entries, pack_by_size
 from megatron.errors import CheckpointError
 from megatron.hf.new_folder import FILE_ALLOWANCE
 from megatron.hf.safetensors_io import Planned, TensorInfo, write_file
 from megatron.model import GPTConfig, GPTModel
+from megatron.placement import expert_ids
 
 
 def expected_entries(config: GPTConfig) -> dict[str, tuple[int, ...]]:

@@ -41,6 +41,7 @@ from megatron.model.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
+from megatron.placement import place
 
 
 class StageLayers(nn.ModuleList):
@@ -102,9 +103,9 @@ class GPTModel(nn.Module):
             if not (stage.is_last and tied):
                 self.word_embeddings = None
             else:  # the LM head's copy of the first stage's word embedding: gradients summed with it
-                self.word_embeddings.weight.shared_with_first_stage = True
+                place(self.word_embeddings.weight, copy_of_first_stage=True)
         if stage.size > 1 and tied and (stage.is_first or stage.is_last):
-            self.word_embeddings.weight.pipeline_shared = True
+            place(self.word_embeddings.weight, pipeline_shared=True)
         if not stage.is_last:
             self.final_layernorm = self.output_layer = None
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.errors import ConfigError
 from megatron.parallel import all_reduce, is_parallel
+from megatron.placement import place
+from megatron.tensor_split import TensorParallelSplit, check_divisible, gather_list, partition_widths, shard, unshard
 
 SEQUENCE_DIM = 1  # activations are [B, S, H]
 LINEAR_FIX = "choose layer widths that are multiples of it, or a tensor-parallel size that divides them"
@@ -56,105 +57,11 @@ class TensorParallel:
         return self.size > 1
 
 
-@dataclass(frozen=True, eq=False)
-class TensorParallelSplit:
-    """How a parameter is split over the tensor-parallel group: along `dim`, each of the parts of
-    `partition_sizes` (full widths) on its own, or the whole dim as one part when None; this rank
-    holds slice `rank` of `size`. Checkpoints use it to save and load whole tensors, or this rank's
-    slice under `entry_name`, whatever the tensor-parallel size of the run that reads them."""
-
-    dim: int
-    partition_sizes: tuple[int, ...] | None
-    rank: int
-    size: int
-    group: dist.ProcessGroup
-
-    def slice_of(self, whole: torch.Tensor) -> torch.Tensor:
-        return shard(whole, self.dim, self.rank, self.size, self.partition_sizes)
-
-    def whole_of(self, piece: torch.Tensor) -> torch.Tensor:
-        """The whole tensor from every rank's slice (a collective over the group)."""
-        return unshard(_gather_list(piece, self.group), self.dim, self.partition_sizes)
-
-    def whole_shape(self, piece_shape: torch.Size) -> torch.Size:
-        shape = list(piece_shape)
-        shape[self.dim] *= self.size
-        return torch.Size(shape)
-
-    def entry_name(self, name: str, rank: int | None = None, size: int | None = None) -> str:
-        """The checkpoint name of slice `rank` of `size` (default: this rank's) of tensor `name`."""
-        return f"{name}{TP_SLICE_MARK}{self.rank if rank is None else rank}of{self.size if size is None else size}"
-
-
-TP_SLICE_MARK = "~tp"  # "exp_avg/layers.0.dense.weight~tp1of2": slice 1 of 2
-
-
-def tensor_parallel_split(tensor: torch.Tensor) -> TensorParallelSplit | None:
-    """The split of a tensor-parallel parameter; None for one every tensor-parallel rank holds whole."""
-    return getattr(tensor, "tensor_parallel_split", None)
-
-
-def local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `whole`, the value of `param` as one process holds it: its
-    tensor-parallel slice, or all of it."""
-    split = tensor_parallel_split(param)
-    return whole if split is None else split.slice_of(whole)
-
-
 def sum_gradient_over(param: nn.Parameter, group: dist.ProcessGroup | None) -> None:
     """A parameter every rank holds whole but uses on its own share of the positions (a norm under
     sequence parallelism): each backward's gradient is summed over the group before it accumulates."""
     if is_parallel(group):
         param.register_hook(lambda grad: _sum(grad, -1, group))
-
-
-def _check_divisible(n: int, size: int, what: str, fix: str) -> None:
-    if n % size:
-        raise ConfigError(f"{what} ({n}) is not divisible by the tensor-parallel size {size}; {fix}")
-
-
-def _partition(width: int, size: int, partition_sizes: Sequence[int] | None, what: str, fix: str) -> list[int]:
-    """The widths of the parts that make up `width` (one part unless given), each checked to split evenly."""
-    parts = list(partition_sizes) if partition_sizes is not None else [width]
-    if sum(parts) != width:
-        raise ConfigError(
-            f"the partition sizes {parts} of {what} add up to {sum(parts)}, not {width}; list the width of every part"
-        )
-    for index, part in enumerate(parts):
-        _check_divisible(part, size, what if len(parts) == 1 else f"part {index} of {what} {parts}", fix)
-    return parts
-
-
-def shard(
-    full: torch.Tensor, dim: int, rank: int, size: int, partition_sizes: Sequence[int] | None = None
-) -> torch.Tensor:
-    """Rank `rank`'s slice of `full` along `dim` out of `size`: the rank-th equal piece of every part,
-    where `partition_sizes` lists the widths of the concatenated parts (e.g. q, k, v) or the whole
-    dim is one part. A new tensor, not a view of `full`."""
-    parts = _partition(
-        full.shape[dim],
-        size,
-        partition_sizes,
-        f"dimension {dim} of a {tuple(full.shape)} tensor",
-        "choose a tensor-parallel size that divides it",
-    )
-    return torch.cat([part.chunk(size, dim)[rank] for part in full.split(parts, dim)], dim)
-
-
-def unshard(pieces: list[torch.Tensor], dim: int, partition_sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """The full tensor whose `shard`s along `dim` are `pieces` (in rank order); `partition_sizes`
-    are the FULL widths of the parts, as given to `shard`."""
-    size = len(pieces)
-    width = sum(piece.shape[dim] for piece in pieces)
-    parts = _partition(
-        width,
-        size,
-        partition_sizes,
-        f"dimension {dim} of the {size} pieces",
-        "pass the partition sizes the pieces were sharded with",
-    )
-    pieces_by_part = [piece.split([part // size for part in parts], dim) for piece in pieces]  # [rank][part]
-    return torch.cat([by_part[index] for index in range(len(parts)) for by_part in pieces_by_part], dim)
 
 
 # Collectives without autograd, each (x, dim, group) -> tensor, paired into mappings below.
@@ -171,7 +78,7 @@ def _sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
 
 def _even_chunks(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> tuple[int, list[torch.Tensor]]:
     rank, size = tp_rank_and_size(group)
-    _check_divisible(
+    check_divisible(
         x.shape[dim],
         size,
         f"dimension {dim} of a {tuple(x.shape)} activation",
@@ -185,15 +92,8 @@ def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return chunks[rank]
 
 
-def _gather_list(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    x = x.contiguous()
-    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, x, group=group)
-    return pieces
-
-
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return torch.cat(_gather_list(x, group), dim)
+    return torch.cat(gather_list(x, group), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -273,7 +173,7 @@ def mark_split(
     rank, size = tp_rank_and_size(group)
     if size > 1:
         parts = tuple(partition_sizes) if partition_sizes is not None and len(partition_sizes) > 1 else None
-        param.tensor_parallel_split = TensorParallelSplit(dim, parts, rank, size, group)
+        place(param, tp_split=TensorParallelSplit(dim, parts, rank, size, group))
 
 
 class _SequenceGatheredLinear(torch.autograd.Function):
@@ -351,7 +251,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         size = tp_rank_and_size(group)[1]
-        self.partition_sizes = _partition(
+        self.partition_sizes = partition_widths(
             full.out_features, size, partition_sizes, "ColumnParallelLinear's out_features", LINEAR_FIX
         )
         self.weight = _slice_parameter(full.weight, 0, group, self.partition_sizes)
@@ -388,7 +288,9 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
-        _partition(full.in_features, tp_rank_and_size(group)[1], None, "RowParallelLinear's in_features", LINEAR_FIX)
+        partition_widths(
+            full.in_features, tp_rank_and_size(group)[1], None, "RowParallelLinear's in_features", LINEAR_FIX
+        )
         self.weight = _slice_parameter(full.weight, 1, group)
         self.bias = full.bias  # whole on every rank, added once after the sum
 
@@ -417,7 +319,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         rank, size = tp_rank_and_size(group)
-        _partition(
+        partition_widths(
             full.num_embeddings,
             size,
             None,

@@ -23,17 +23,16 @@ from torch import nn
 from megatron.checkpoint.layout import ENGINE_FILE
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
-from megatron.checkpoint.tensors import expert_ids
 from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
 from megatron.errors import ConfigError
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
+from megatron.placement import pipeline_shared, placement_of
 from megatron.runtime import engine_checkpoint
 from megatron.runtime.config.deepspeed_keys import no_effect_notes
 from megatron.runtime.config.schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.engine_checks import check_engine_inputs, check_pipeline_sharing
 from megatron.runtime.grad_norm import global_sq_norm
 from megatron.runtime.gradient_averaging import gradient_averaging
-from megatron.runtime.gradient_kinds import pipeline_shared
 from megatron.runtime.loss_scaler import build_loss_scaler
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.runtime.monitor import EngineMonitor
@@ -90,7 +89,7 @@ class Engine:
         data-parallel group, experts over their expert-data-parallel group."""
         grid = self.parallel
         for tensor in self.module.state_dict(keep_vars=True).values():
-            group = grid.expert_dp_group if expert_ids(tensor) else grid.dp_group
+            group = placement_of(tensor).replica_group(grid)
             if is_parallel(group):
                 dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
 

@@ -4,7 +4,7 @@ whole copies counted once, experts over the expert groups, pipeline stages added
 import torch
 
 from megatron.parallel import ParallelGrid, all_reduce
-from megatron.runtime.gradient_kinds import SLICE, WHOLE
+from megatron.placement import SLICE, WHOLE
 from megatron.runtime.strategy import TrainingStrategy
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron.checkpoint.tensors import expert_ids
 from megatron.errors import ConfigError
+from megatron.placement import expert_ids
 from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from megatron.runtime.optim.lamb import Lamb

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint.tensors import ShardedReader, expert_ids, load_optimizer_entries, optimizer_entries
+from megatron.checkpoint.tensors import ShardedReader, load_optimizer_entries, optimizer_entries
 from megatron.parallel import ParallelGrid, is_parallel
-from megatron.runtime.gradient_kinds import gradient_kind
+from megatron.placement import expert_ids, gradient_kind
 from megatron.runtime.swap.param_store import ShardStore
 from megatron.runtime.zero.layout import PartitionLayout
 

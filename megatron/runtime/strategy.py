@@ -22,8 +22,8 @@ from torch import nn
 
 from megatron.checkpoint.tensors import ShardedReader
 from megatron.parallel import ParallelGrid
+from megatron.placement import pipeline_shared
 from megatron.runtime.config.schema import RuntimeConfig
-from megatron.runtime.gradient_kinds import pipeline_shared
 from megatron.runtime.replicated import Replicated
 from megatron.runtime.swap.param_store import ShardStore
 from megatron.runtime.zero import ZeroRuntime

@@ -17,7 +17,7 @@ import torch
 
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
-from megatron.checkpoint.tensors import ShardedReader, expert_ids
+from megatron.checkpoint.tensors import ShardedReader
 from megatron.config.distill_flags import DistillConfig
 from megatron.errors import CheckpointError, ConfigError
 from megatron.inference.checkpoint_model import (
@@ -28,8 +28,9 @@ from megatron.inference.checkpoint_model import (
 )
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
-from megatron.model.tensor_parallel import TensorParallel, local_part
+from megatron.model.tensor_parallel import TensorParallel
 from megatron.parallel import ParallelGrid
+from megatron.placement import expert_ids, local_part
 
 
 def teacher_checkpoint(

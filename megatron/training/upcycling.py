@@ -32,8 +32,8 @@ from megatron.errors import ConfigError
 from megatron.inference.checkpoint_model import checkpoint_folder, model_config_from_state, read_client_state
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
-from megatron.model.tensor_parallel import local_part
 from megatron.parallel import ParallelGrid
+from megatron.placement import expert_ids, local_part
 
 # what must match between the dense checkpoint and the MoE model for weights to carry over
 ARCHITECTURE_FIELDS = (
@@ -147,7 +147,7 @@ def _upcycle_layer(
     b_in_W = dense_tensor(prefix + "dense_h_to_4h.bias") if bias else None
     b_out_H = dense_tensor(prefix + "dense_4h_to_h.bias") if bias else None
     whole: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "b1": [], "b2": []}
-    for global_id in experts.w1.expert_global_ids:
+    for global_id in expert_ids(experts.w1):
         own = torch.arange(global_id % granularity * f, (global_id % granularity + 1) * f)
         # SwiGLU's first weight holds the gate rows, then the up rows: both halves are sliced alike
         rows = torch.cat([own, own + w_out_HF.shape[1]]) if swiglu else own

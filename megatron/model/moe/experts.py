@@ -17,16 +17,18 @@ from torch import nn
 from megatron.errors import ConfigError
 from megatron.model.moe.expert_tensor_parallel import gather_rows, sum_rows
 from megatron.model.moe.grouped_gemm import grouped_linear
-from megatron.model.tensor_parallel import mark_split, shard, sum_gradient_over, tp_rank_and_size
+from megatron.model.tensor_parallel import mark_split, sum_gradient_over, tp_rank_and_size
 from megatron.ops.transpose import transposed_padded
+from megatron.placement import place
+from megatron.tensor_split import shard
 
 
 class GroupedExperts(nn.Module):
     """MLP experts H -> F -> H: GELU, or with `swiglu` H -> 2F -> (SwiGLU) F -> H (w1's first F
     columns feed silu, the second F the up projection, as the dense MLP's `dense_h_to_4h` rows);
-    biases b1 and b2 unless `bias` is False (--disable-bias-linear). Parameters carry
-    `expert_global_ids` (dim 0 holds those experts), which the runtime uses to reduce, save and
-    load them by global expert id. With `tp_group` (expert tensor parallelism) this rank holds
+    biases b1 and b2 unless `bias` is False (--disable-bias-linear). Each parameter's placement
+    (megatron/placement.py) holds the global ids of its experts (dim 0 holds those experts), by
+    which the runtime reduces, saves and loads them. With `tp_group` (expert tensor parallelism) this rank holds
     F / etp of every expert's hidden features (of each SwiGLU half) and computes with the rows of
     the whole group (expert_tensor_parallel.py)."""
 
@@ -60,7 +62,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size // tp_size, hidden_size))
         self.b2 = nn.Parameter(torch.zeros(local, hidden_size)) if bias else None
         for param in self.parameters():
-            param.expert_global_ids = tuple(global_ids)
+            place(param, expert_ids=tuple(global_ids))
         for param, dim, param_parts in ((self.w1, 2, parts), (self.b1, 1, parts), (self.w2, 1, None)):
             if param is not None:
                 mark_split(param, dim, self.tp_group, param_parts)

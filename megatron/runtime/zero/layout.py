@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint.tensors import expert_ids
-from megatron.model.tensor_parallel import TensorParallelSplit, tensor_parallel_split
+from megatron.placement import expert_ids, tensor_parallel_split
+from megatron.tensor_split import TensorParallelSplit
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint.tensors import ShardedReader, expert_ids
-from megatron.model.tensor_parallel import tensor_parallel_split
+from megatron.checkpoint.tensors import ShardedReader
 from megatron.parallel import all_reduce
+from megatron.placement import COPY, SLICE, WHOLE, expert_ids, gradient_kind, tensor_parallel_split
 from megatron.runtime.config.schema import AioConfig, ZeroConfig
-from megatron.runtime.gradient_kinds import COPY, SLICE, WHOLE, gradient_kind
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.zero.checkpoint import load_partition_state, partition_state_entries
 from megatron.runtime.zero.gatherer import ParameterGatherer
