@@ -17,7 +17,8 @@ TIERS = {
         deepspeed_config gpt_dataset indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating
         package_imports placement resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
         zero_residency""",
-    "integration": "checkpoint_faults generation hf_import_faults load_config_check memory run_end_faults runtime",
+    "integration": """checkpoint_faults checkpoint_format1 generation hf_import_faults load_config_check memory
+        run_end_faults runtime""",
     "distributed": """config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop long_runs
         model_size moe_ep_dispatch moe_layer moe_router_options moe_training offload parallel_grid
         pipeline_parallel_training save_lock swap_integrity tensor_parallel tensor_parallel_model

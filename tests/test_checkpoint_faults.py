@@ -2,7 +2,6 @@
 in a row), bit flips in every file kind, a damaged or missing `latest`, a full disk, checkpoints
 saved before manifests existed, a manifest deleted from a checkpoint that had one."""
 
-import json
 import multiprocessing
 import os
 import signal
@@ -15,12 +14,17 @@ import torch
 import megatron.checkpoint.iterations as iterations_module
 import megatron.checkpoint.save as save_module
 from megatron.checkpoint.iterations import read_latest
-from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MANIFEST_FILE
-from megatron.checkpoint.manifest import MANIFEST_WRITER_KEYS
+from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import single_process_grid
 from megatron.training.loop import Trainer
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import (
+    FORMAT1_FLAGS,
+    as_saved_before_manifests,
+    format1_checkpoint,
+    tiny_config,
+    write_corpus,
+)
 
 SINGLE = single_process_grid(torch.device("cpu"))
 ITERS, INTERVAL = 6, 2
@@ -112,7 +116,7 @@ def test_a_kill_at_every_step_of_the_save_twice_in_a_row_loses_nothing(corpus, t
     )
     reference.train()
     per_save = _protocol_calls_per_save(corpus, tmp_path)
-    assert per_save >= 8  # rng, model, optimizer, engine.json (each fsync'd), manifest, renames, latest
+    assert per_save >= 8  # rng, model, optimizer (each fsync'd), the folder, manifest, renames, latest
     for step in range(1, per_save + 1):
         folder = tmp_path / f"kill{step}"
         # the first child dies in its second save (iteration 4), the second in the first save it makes
@@ -145,7 +149,6 @@ def _flip_bit(path: Path, offset: int) -> None:
         "model_rank00000.safetensors",
         "optimizer_rank00000.safetensors",
         "rng_rank00000.safetensors",
-        "engine.json",
         MANIFEST_FILE,
     ],
 )
@@ -261,15 +264,6 @@ def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, smal
     assert resumed.iteration == 2
 
 
-def _as_saved_before_manifests(folder: Path) -> None:
-    """No manifest, and none of the keys engine.json has held since manifests were written."""
-    (folder / MANIFEST_FILE).unlink()
-    meta = json.loads((folder / ENGINE_FILE).read_text())
-    (folder / ENGINE_FILE).write_text(
-        json.dumps({key: value for key, value in meta.items() if key not in MANIFEST_WRITER_KEYS}, indent=1)
-    )
-
-
 def test_a_deleted_manifest_is_refused_naming_the_folder_and_the_older_checkpoint(corpus, tmp_path):
     folder = _saved_run(corpus, tmp_path / "ckpt")
     (folder / "iter_0000004" / MANIFEST_FILE).unlink()
@@ -285,13 +279,15 @@ def test_a_deleted_manifest_is_refused_naming_the_folder_and_the_older_checkpoin
 
 
 def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(corpus, tmp_path, capsys):
-    folder = _saved_run(corpus, tmp_path / "ckpt")
-    for iteration in ("iter_0000002", "iter_0000004"):
-        _as_saved_before_manifests(folder / iteration)
+    folder = format1_checkpoint(tmp_path / "ckpt")
+    as_saved_before_manifests(folder / "iter_0000002")
     capsys.readouterr()
-    resumed = Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
-    assert resumed.iteration == 4 and "has no manifest.json (saved by an earlier version)" in capsys.readouterr().out
-    engine_json = folder / "iter_0000004" / "engine.json"
+
+    def resume() -> Trainer:
+        return Trainer(tiny_config(corpus, train_iters=4, load=str(folder), save=str(folder), **FORMAT1_FLAGS), SINGLE)
+
+    assert resume().iteration == 2 and "has no manifest.json (saved by an earlier version)" in capsys.readouterr().out
+    engine_json = folder / "iter_0000002" / "engine.json"
     text = engine_json.read_text()
     for damage, expected in (
         (text[:40], "engine.json is damaged"),
@@ -299,12 +295,12 @@ def test_checkpoints_without_a_manifest_still_load_and_damage_is_one_sentence(co
     ):
         engine_json.write_text(damage)
         with pytest.raises(CheckpointError, match=expected):
-            Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+            resume()
     engine_json.write_text(text)
-    model = folder / "iter_0000004" / "model_rank00000.safetensors"
+    model = folder / "iter_0000002" / "model_rank00000.safetensors"
     model.write_bytes(model.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="model_rank00000.safetensors is damaged"):
-        Trainer(tiny_config(corpus, train_iters=6, load=str(folder), save=str(folder)), SINGLE)
+        resume()
 
 
 def test_large_state_is_cut_into_parts_that_resume_exactly(corpus, tmp_path, monkeypatch):

@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-from megatron.checkpoint.manifest import MANIFEST_WRITER_KEYS
+from megatron.checkpoint.layout import MANIFEST_FILE
+from megatron.checkpoint.manifest import json_checksum, write_manifest
+from megatron.checkpoint.verify import read_checkpoint
 from megatron.cli.generate import main as generate_main
 from megatron.errors import CheckpointError, ConfigError
 from megatron.inference.checkpoint_model import load_model
@@ -162,23 +164,15 @@ def test_generate_tool_errors_are_one_sentence(checkpoint, tmp_path, capsys):
 def test_a_checkpoint_without_a_usable_model_config_is_refused(checkpoint, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(checkpoint, copy)
-    (copy / "iter_0000003" / "manifest.json").unlink()  # as saved before manifests: nothing checks the edits
-    engine_json = copy / "iter_0000003" / "engine.json"
-    meta = {k: v for k, v in json.loads(engine_json.read_text()).items() if k not in MANIFEST_WRITER_KEYS}
-    engine_json.write_text(
-        json.dumps(
-            {
-                **meta,
-                "client_state": {
-                    **meta["client_state"],
-                    "model_config": {**meta["client_state"]["model_config"], "attention_heads": 4},
-                },
-            }
-        )
-    )
+    folder = copy / "iter_0000003"
+    text = (folder / MANIFEST_FILE).read_text()
+    raw = json.loads(text)
+    raw["run"]["model"]["attention_heads"] = 4  # a field this version's GPTConfig lacks
+    raw["checksum"] = json_checksum(raw)
+    (folder / MANIFEST_FILE).write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="does not fit this version's GPTConfig"):
         load_model(copy)
-    del meta["client_state"]["model_config"]
-    engine_json.write_text(json.dumps(meta))
+    (folder / MANIFEST_FILE).write_text(text)
+    write_manifest(folder, read_checkpoint(folder).model_copy(update={"run": None}))  # saved by an engine alone
     with pytest.raises(CheckpointError, match="holds no model config"):
         load_model(copy)

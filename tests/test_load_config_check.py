@@ -4,20 +4,25 @@ refused with one sentence naming the field, both values and the flag (on a resum
 change are logged in one line. Faults are made for real: saved with one config, loaded with another."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron.checkpoint.format1 import ManifestV1
 from megatron.checkpoint.layout import ENGINE_FILE, MANIFEST_FILE
-from megatron.checkpoint.manifest import MANIFEST_WRITER_KEYS, Manifest, write_manifest
 from megatron.checkpoint.model_config import RULES, config_field_names
 from megatron.errors import CheckpointError
 from megatron.parallel import single_process_grid
 from megatron.training.loop import Trainer
 from tests.test_model_options import NEW_FIELDS
-from tests.training_fixtures import tiny_config, write_corpus
+from tests.training_fixtures import (
+    FORMAT1_FLAGS,
+    as_saved_before_manifests,
+    format1_checkpoint,
+    tiny_config,
+    write_corpus,
+)
 
 SINGLE = single_process_grid(torch.device("cpu"))
 MOE = {"num_experts": 2, "lr_warmup_iters": 1}  # layer 2 of 2 is an MoE layer
@@ -125,32 +130,40 @@ def _older_model_config(model: dict) -> dict:
     return older
 
 
-def test_a_format_1_manifest_recording_fewer_fields_loads(corpus, saved, tmp_path, capsys):
-    folder = tmp_path / "ckpt"
-    shutil.copytree(saved, folder)
-    path = folder / "iter_0000002" / MANIFEST_FILE
-    manifest = json.loads(path.read_text())
-    manifest["run"]["model"] = _older_model_config(manifest["run"]["model"])
-    write_manifest(path.parent, Manifest.model_validate({**manifest, "checksum": ""}))
+def _rewrite_v1_manifest(folder: Path, model: dict) -> None:
+    """The format-1 manifest of `folder` recording `model`, its own checksum made anew."""
+    path = folder / MANIFEST_FILE
+    v1 = ManifestV1.model_validate_json(path.read_text())
+    edited = v1.model_copy(update={"run": v1.run.model_copy(update={"model": model})})
+    path.write_text(edited.model_copy(update={"checksum": edited.own_checksum()}).model_dump_json(indent=1))
+
+
+def test_a_format_1_manifest_recording_fewer_fields_loads(corpus, tmp_path, capsys):
+    folder = format1_checkpoint(tmp_path / "ckpt")
+    iteration = folder / "iter_0000002"
+    _rewrite_v1_manifest(
+        iteration, _older_model_config(json.loads((iteration / MANIFEST_FILE).read_text())["run"]["model"])
+    )
     capsys.readouterr()
-    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder), **MOE), SINGLE)
+    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder), **FORMAT1_FLAGS), SINGLE)
     assert resumed.iteration == 2 and "this run changes" not in capsys.readouterr().out
-    with pytest.raises(CheckpointError, match="saved with num_attention_heads 4 but this run has 2"):
-        Trainer(tiny_config(corpus, train_iters=4, load=str(folder), num_attention_heads=2, **MOE), SINGLE)
+    with pytest.raises(CheckpointError, match="saved with num_attention_heads 2 but this run has 1"):
+        Trainer(
+            tiny_config(corpus, train_iters=4, load=str(folder), **{**FORMAT1_FLAGS, "num_attention_heads": 1}), SINGLE
+        )
 
 
-def test_a_checkpoint_from_before_manifests_recording_fewer_fields_loads(corpus, saved, tmp_path, capsys):
-    folder = tmp_path / "ckpt"
-    shutil.copytree(saved, folder)
-    (folder / "iter_0000002" / MANIFEST_FILE).unlink()
+def test_a_checkpoint_from_before_manifests_recording_fewer_fields_loads(corpus, tmp_path, capsys):
+    folder = format1_checkpoint(tmp_path / "ckpt")
+    as_saved_before_manifests(folder / "iter_0000002")
     engine_json = folder / "iter_0000002" / ENGINE_FILE
-    meta = {key: value for key, value in json.loads(engine_json.read_text()).items() if key not in MANIFEST_WRITER_KEYS}
+    meta = json.loads(engine_json.read_text())
     meta["client_state"]["model_config"] = _older_model_config(meta["client_state"]["model_config"])
     engine_json.write_text(json.dumps(meta))
     capsys.readouterr()
-    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder), **MOE), SINGLE)
+    resumed = Trainer(tiny_config(corpus, train_iters=4, load=str(folder), **FORMAT1_FLAGS), SINGLE)
     out = capsys.readouterr().out
     assert resumed.iteration == 2 and "has no manifest.json (saved by an earlier version)" in out
     assert "this run changes" not in out
     with pytest.raises(CheckpointError, match="saved with num_layers 2 but this run has 1"):
-        Trainer(tiny_config(corpus, train_iters=4, load=str(folder), num_layers=1, **MOE), SINGLE)
+        Trainer(tiny_config(corpus, train_iters=4, load=str(folder), **{**FORMAT1_FLAGS, "num_layers": 1}), SINGLE)

@@ -201,7 +201,7 @@ def test_sigterm_during_training_saves_and_exits_zero_on_every_rank(corpus, tmp_
     iteration = read_latest(str(save))[0]
     assert f"exiting at iteration {iteration} of 100000: received SIGTERM (--exit-signal-handler)" in outputs[0]
     manifest = json.loads((save / f"iter_{iteration:07d}" / "manifest.json").read_text())
-    assert manifest["world_size"] == world and f"rng_rank{world - 1:05d}.safetensors" in manifest["files"]
+    assert manifest["layout"]["world_size"] == world and f"rng_rank{world - 1:05d}.safetensors" in manifest["files"]
 
 
 @pytest.mark.parametrize("world", [1, 2])

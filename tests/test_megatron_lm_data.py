@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron.checkpoint.format1 import tokenizer_from_flags
 from megatron.cli import preprocess_data
 from megatron.data import preprocess
 from megatron.data.gpt_dataset import (
@@ -26,7 +27,7 @@ from megatron.data.gpt_dataset import (
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.preprocess import TokenizerSpec
 from megatron.errors import ConfigError, DataError
-from megatron.inference.checkpoint_model import tokenizer_from_flags
+from megatron.inference.checkpoint_model import tokenizer_from_spec
 from tests.test_gpt_dataset import megatron_sample_idx
 from tests.training_fixtures import tiny_config
 
@@ -269,7 +270,9 @@ def test_pretrain_flags_default_to_current_megatron_lm(tmp_path):
 
 
 def test_checkpoints_saved_before_the_flag_keep_the_extra_eod():
-    old = tokenizer_from_flags({"tokenizer_type": "NullTokenizer", "vocab_size": 60})
+    old = tokenizer_from_spec(tokenizer_from_flags({"tokenizer_type": "NullTokenizer", "vocab_size": 60}))
     assert (old.vocab_size, old.eod) == (61, 60)
-    new = tokenizer_from_flags({"tokenizer_type": "NullTokenizer", "vocab_size": 60, "null_tokenizer_eod": "last"})
+    new = tokenizer_from_spec(
+        tokenizer_from_flags({"tokenizer_type": "NullTokenizer", "vocab_size": 60, "null_tokenizer_eod": "last"})
+    )
     assert (new.vocab_size, new.eod) == (60, 59)

@@ -3,8 +3,10 @@
 Face's Llama, Qwen3 and GPT-NeoX given the same weights, and composing with the KV cache,
 checkpoints, model sizing and MoE layers. Defaults keep the classic GPT (tests/test_model.py)."""
 
+import json
 import math
 from dataclasses import asdict, fields, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron.checkpoint.layout import MANIFEST_FILE, iteration_tag
+from megatron.checkpoint.manifest import json_checksum
 from megatron.config.flags import build_parser, model_config_from_args
 from megatron.errors import ConfigError
 from megatron.inference.checkpoint_model import load_model
@@ -21,7 +25,6 @@ from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel, transformer
 from megatron.model_size import model_size
 from megatron.parallel import single_process_grid
-from megatron.training import loop as training
 from megatron.training.loop import Trainer
 from tests import inference_fixtures
 from tests.training_fixtures import tiny_config, write_corpus
@@ -290,19 +293,27 @@ def test_a_checkpoint_keeps_the_options_and_the_logits(corpus, tmp_path):
     assert resumed.iteration == 2
 
 
-def old_asdict(config: GPTConfig) -> dict:
-    """The model config as the toolkit saved it before these options: no new fields, layernorm_epsilon."""
-    saved = {name: value for name, value in asdict(config).items() if name not in NEW_FIELDS}
-    saved["layernorm_epsilon"] = saved.pop("norm_epsilon")
-    return saved
+def as_saved_before_the_options(folder: Path) -> None:
+    """Rewrite the checkpoint in `folder` to record its model as the toolkit did before these options:
+    no new fields, `layernorm_epsilon` (the manifest's checksum recomputed, so it still verifies)."""
+    path = folder / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    model = {name: value for name, value in manifest["run"]["model"].items() if name not in NEW_FIELDS}
+    model["layernorm_epsilon"] = model.pop("norm_epsilon")
+    manifest["run"]["model"] = model
+    manifest["checksum"] = json_checksum(manifest)
+    path.write_text(json.dumps(manifest))
 
 
-def test_a_classic_checkpoint_saved_before_the_options_loads_with_the_defaults(corpus, tmp_path, monkeypatch):
+def test_a_classic_checkpoint_saved_before_the_options_loads_with_the_defaults(corpus, tmp_path):
     save = str(tmp_path / "ckpt")
-    monkeypatch.setattr(training, "asdict", old_asdict)
     trainer = Trainer(tiny_config(corpus, train_iters=2, lr_warmup_iters=1, save=save, layernorm_epsilon=1e-4), SINGLE)
     trainer.train()
-    monkeypatch.undo()
+    as_saved_before_the_options(tmp_path / "ckpt" / iteration_tag(2))
+    assert (
+        "norm_epsilon"
+        not in json.loads((tmp_path / "ckpt" / iteration_tag(2) / MANIFEST_FILE).read_text())["run"]["model"]
+    )
     loaded = load_model(save)
     assert loaded.config == inference_config(trainer.model_config) and loaded.config.norm_epsilon == 1e-4
     assert {f.name for f in fields(GPTConfig)} >= NEW_FIELDS

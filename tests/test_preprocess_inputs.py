@@ -21,9 +21,9 @@ import pytest
 from megatron.cli import preprocess_data
 from megatron.data import preprocess
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import TokenizerSpec
 from megatron.entry_point import run_entry_point
 from megatron.errors import DataError
+from megatron.tokenizer_spec import TokenizerSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_UTF8 = "that is not valid UTF-8; fix the file's encoding or pass --skip-invalid-utf8 to skip such rows."

@@ -11,9 +11,10 @@ import pytest
 
 from megatron.cli import preprocess_data, train_tokenizer
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import TokenizerSpec, preprocess
+from megatron.data.preprocess import preprocess
 from megatron.data.tokenizer import build_tokenizer
 from megatron.errors import DataError
+from megatron.tokenizer_spec import TokenizerSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = [

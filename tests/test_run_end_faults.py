@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.checkpoint.iterations import read_latest
-from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
+from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE, iteration_tag
 from megatron.entry_point import run_entry_point
 from megatron.parallel import single_process_grid
 from megatron.training.loop import Trainer, pretrain
@@ -81,8 +81,8 @@ def test_the_first_line_after_a_resume_averages_the_same_iterations(corpus, tmp_
     resumed_dir.mkdir()
     shutil.copytree(full_dir / iteration_tag(7), resumed_dir / iteration_tag(7))
     (resumed_dir / LATEST_FILE).write_text("7\n")
-    meta = json.loads((resumed_dir / iteration_tag(7) / "engine.json").read_text())
-    assert len(meta["client_state"]["log_window"]["losses"][0]) == 2  # iterations 6 and 7
+    manifest = json.loads((resumed_dir / iteration_tag(7) / MANIFEST_FILE).read_text())
+    assert len(manifest["run"]["log_window"]["losses"][0]) == 2  # iterations 6 and 7
     resumed = Trainer(tiny_config(corpus, train_iters=10, log_interval=5, load=str(resumed_dir)), SINGLE).train()
     resumed_out = capsys.readouterr().out
     expected, got = _line_at(full_out.split("exiting at")[-1], 10), _line_at(resumed_out, 10)

@@ -18,9 +18,9 @@ import pytest
 from megatron.data import preprocess
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset
-from megatron.data.preprocess import TokenizerSpec
 from megatron.data.token_checksum import checksum_path
 from megatron.errors import DataError
+from megatron.tokenizer_spec import TokenizerSpec
 from tests.test_data_integrity import HEADER_BYTES, flip_bit
 from tests.test_gpt_dataset import write_corpus
 from tests.test_megatron_lm_data import ROWS, megatron_preprocessed, write_jsonl

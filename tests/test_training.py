@@ -107,19 +107,36 @@ def test_checkpoint_layout_is_safetensors_and_json(corpus, tmp_path):
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", "iter_0000006", LATEST_FILE]
     files = sorted(p.name for p in (save / "iter_0000006").iterdir())
     assert files == [
-        "engine.json",
         "manifest.json",
         "model_rank00000.safetensors",
         "optimizer_rank00000.safetensors",
         "rng_rank00000.safetensors",
     ]
     manifest = json.loads((save / "iter_0000006" / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and sorted(manifest["files"]) == [f for f in files if f != "manifest.json"]
-    assert manifest["run"]["iteration"] == 6 and manifest["run"]["consumed_tokens"] == 24 * 16
-    assert manifest["run"]["model"]["hidden_size"] == 32 and manifest["run"]["tokenizer"]["type"] == "NullTokenizer"
-    assert (manifest["world_size"], manifest["zero_stage"], manifest["precision"]) == (1, 0, "fp32")
-    meta = json.loads((save / "iter_0000006" / "engine.json").read_text())
-    assert meta["client_state"]["iteration"] == 6 and meta["client_state"]["consumed_samples"] == 24
+    assert manifest["format_version"] == 2 and sorted(manifest["files"]) == [f for f in files if f != "manifest.json"]
+    run = manifest["run"]
+    assert run["iteration"] == 6 and run["consumed_samples"] == 24 and run["consumed_tokens"] == 24 * 16
+    assert run["model"]["hidden_size"] == 32 and run["model"]["moe"]["topk"] == 1
+    assert run["tokenizer"] == {
+        "tokenizer_type": "NullTokenizer",
+        "tokenizer_model": None,
+        "vocab_file": None,
+        "merge_file": None,
+        "vocab_size": 61,
+        "null_tokenizer_eod": "last",
+    }
+    assert run["tokenizer_size"] == 61
+    assert "flags" not in run and run["training_data"] == [corpus]
+    assert manifest["layout"] == {
+        "world_size": 1,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 1,
+        "expert_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
+    }
+    assert (manifest["zero_stage"], manifest["precision"]) == (0, "fp32")
+    assert manifest["engine"]["global_steps"] == 6 and manifest["engine"]["client_state"] == {}
     assert "exp_avg/word_embeddings.weight" in load_file(str(save / "iter_0000006" / "optimizer_rank00000.safetensors"))
 
 

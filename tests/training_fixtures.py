@@ -1,5 +1,7 @@
 """A tiny indexed corpus and flag set for end-to-end training tests."""
 
+import json
+import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import replace
@@ -7,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.checkpoint.format1 import MANIFEST_WRITER_KEYS
+from megatron.checkpoint.layout import ENGINE_FILE, MANIFEST_FILE
 from megatron.config.flags import PretrainConfig, parse_args, with_data_parallel_size
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.runtime.engine import Engine
@@ -114,3 +118,38 @@ def wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
         if text in line:
             return lines
     raise AssertionError(f"the run ended before printing {text!r}:\n{''.join(lines)}")
+
+
+# A checkpoint saved in format 1 (manifest.json beside engine.json) by the toolkit at ba01e63, committed so
+# that the format-1 reader stays tested: iteration 2 of a 4-iteration run on write_corpus(documents=40),
+# NullTokenizer, layer 2 of 2 an MoE layer; expected.json holds that code's losses of iterations 3-4
+# and its validation loss at 4, resumed from it. tests/fixtures/checkpoint_format1/README.md says more.
+FORMAT1_CHECKPOINT = Path(__file__).resolve().parent / "fixtures" / "checkpoint_format1"
+FORMAT1_FLAGS = {
+    "num_layers": 2,
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_experts": 2,
+    "lr_warmup_iters": 1,
+    "lr_decay_iters": 4,
+    "micro_batch_size": 2,
+    "global_batch_size": 2,
+    "eval_interval": 100,
+    "log_interval": 1,
+}
+
+
+def format1_checkpoint(folder: Path) -> Path:
+    """A writable copy of the format-1 checkpoint directory in `folder`."""
+    shutil.copytree(FORMAT1_CHECKPOINT, folder, ignore=shutil.ignore_patterns("expected.json", "README.md"))
+    return folder
+
+
+def as_saved_before_manifests(folder: Path) -> None:
+    """A format-1 iteration folder as saved before manifests existed: no manifest, and none of the
+    keys engine.json has held since manifests were written."""
+    (folder / MANIFEST_FILE).unlink()
+    meta = json.loads((folder / ENGINE_FILE).read_text())
+    (folder / ENGINE_FILE).write_text(
+        json.dumps({key: value for key, value in meta.items() if key not in MANIFEST_WRITER_KEYS}, indent=1)
+    )

@@ -12,19 +12,21 @@ run's where it matters with one sentence naming the field (model_config.py).
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from megatron.checkpoint.durable import write_text_durably
 from megatron.checkpoint.layout import (
     ENGINE_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
+    MODEL,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
     iteration_tag,
+    rank_files,
     tag_iteration,
 )
-from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.manifest import PRE_MANIFEST_FORMAT, RunRecord
 from megatron.checkpoint.model_config import check_model_config
 from megatron.checkpoint.verify import DamagedCheckpoint, verify_folder
 from megatron.errors import CheckpointError
@@ -40,14 +42,14 @@ class FolderSaver(Protocol):
 
     parallel: ParallelGrid
 
-    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, run: RunRecord | None) -> Path: ...
+    def save_checkpoint(
+        self, save_dir: str, tag: str, client_state: dict[str, Any] | None = None, run: RunRecord | None = None
+    ) -> Path: ...
 
 
-def save_checkpoint(
-    engine: FolderSaver, save_dir: str, iteration: int, client_state: dict, run: RunRecord | None
-) -> Path:
+def save_checkpoint(engine: FolderSaver, save_dir: str, iteration: int, run: RunRecord) -> Path:
     """Save `save_dir/iter_N/` atomically, then move `latest` to it."""
-    folder = engine.save_checkpoint(save_dir, iteration_tag(iteration), client_state, run)
+    folder = engine.save_checkpoint(save_dir, iteration_tag(iteration), run=run)
     if engine.parallel.is_first_rank:
         write_text_durably(Path(save_dir) / LATEST_FILE, f"{iteration}\n")
     engine.parallel.barrier()
@@ -66,14 +68,15 @@ def read_latest(load_dir: str) -> tuple[int | None, str | None]:
 
 
 def saved_iterations(load_dir: str) -> list[int]:
-    """Iterations whose folder is complete (renamed into place), newest first."""
+    """Iterations whose folder was renamed into place (verify_folder says whether it is intact),
+    newest first: a folder named iter_N that holds a manifest, a format-1 engine.json or weights."""
     folder = Path(load_dir)
     if not folder.is_dir():
         return []
     found = [
         tag_iteration(child.name)
         for child in folder.iterdir()
-        if (child / MANIFEST_FILE).is_file() or (child / ENGINE_FILE).is_file()
+        if (child / MANIFEST_FILE).is_file() or (child / ENGINE_FILE).is_file() or rank_files(child, MODEL)
     ]
     return sorted((it for it in found if it is not None), reverse=True)
 
@@ -187,7 +190,7 @@ def _verified_iteration(load_dir: str, grid: ParallelGrid, ckpt_step: int | None
         manifest = verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
     except DamagedCheckpoint as error:
         raise _refuse_damaged(load_dir, iteration, grid, error) from None
-    if manifest is None:
+    if manifest.format_version == PRE_MANIFEST_FORMAT:
         log(
             f" > {Path(load_dir) / iteration_tag(iteration)} has no {MANIFEST_FILE} (saved by an earlier version): "
             "loading it without verifying its files"

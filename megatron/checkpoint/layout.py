@@ -2,8 +2,8 @@
 
 DIR/latest_checkpointed_iteration.txt   the iteration to resume from, moved last
 DIR/iter_0000010/                        one checkpoint
-    manifest.json                        format version, what the run was, every file's size and checksum
-    engine.json                          engine counters, optimizer groups, LR schedule, loss scale, client state
+    manifest.json                        format 2: the run, the layout, the engine's state, every file's checksum
+                                         (format 1 had an engine.json beside it; format1.py reads both)
     model_rank00000.safetensors          tensors under global names (tensors.py), one file per writing rank
     optimizer_rank00000.safetensors      (and -1, -2, ... for each further 256 MiB)
     rng_rank00000.safetensors

@@ -1,6 +1,10 @@
-"""The manifest: one typed, versioned file per checkpoint that says what the run was (iteration,
-consumed samples and tokens, model config, tokenizer, parallel sizes, ZeRO stage, precision) and
-lists every file of the checkpoint with its size and checksum (checksum.py says which and why).
+"""The manifest: the one metadata file of a checkpoint (format 2). It is typed and versioned and says
+what the run was (iteration, consumed samples and tokens, the model config, the tokenizer, the log
+window between two lines), the whole parallel layout, the engine's state (counters, optimizer groups,
+LR schedule, loss scale, how tensor-parallel tensors were split) and every file of the checkpoint
+with its size and checksum (checksum.py says which and why). No flag spelling is recorded: renaming
+a flag cannot break a checkpoint. Folders saved in format 1 (a manifest and engine.json) or before
+manifests (engine.json alone) are read into the same records by format1.py.
 """
 
 import json
@@ -9,56 +13,101 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from megatron.checkpoint.checksum import bytes_checksum, file_checksum, tensors_file_checksum
 from megatron.checkpoint.layout import MANIFEST_FILE
+from megatron.checkpoint.model_record import ModelConfigField
 from megatron.errors import CheckpointError
+from megatron.tokenizer_spec import TokenizerSpec
 
-FORMAT_VERSION = 1
-# engine.json's record that the checkpoint's writer wrote a manifest too, so that one missing was
-# deleted and the folder is refused; one without any of these keys was saved before manifests
-# existed and loads unverified. Besides the mark (every save since it was added):
-# tensor_parallel_splits (every training save since tensor-parallel checkpoints, which came after
-# manifests) and weights_only (the Hugging Face importer, which wrote a manifest from the start).
-MANIFEST_MARK = "manifest_format"
-MANIFEST_WRITER_KEYS = (MANIFEST_MARK, "tensor_parallel_splits", "weights_only")
+FORMAT_VERSION = 2
+PRE_MANIFEST_FORMAT = 0  # the record of a folder saved before manifests existed: nothing to verify
 
 
-class _Record(BaseModel):
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint folder whose manifest or files do not check out."""
+
+
+class StrictRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class FileRecord(_Record):
+class FileRecord(StrictRecord):
     size: int
     checksum: str
 
 
-class RunRecord(_Record):
-    """What the training loop adds: None for a checkpoint saved through the engine alone."""
+class LogWindowRecord(StrictRecord):
+    """The iterations since the last training line: every rank's loss terms of each (`Losses`
+    order) and how many skipped their step, so the first line after a resume averages the same."""
+
+    losses: list[list[list[float]]]
+    skipped: int
+
+
+class RunRecord(StrictRecord):
+    """What the training loop (or an import) adds: None for a checkpoint saved through the engine alone."""
 
     iteration: int
     consumed_samples: int
     consumed_tokens: int
-    model: dict[str, Any]
-    tokenizer: dict[str, Any]
+    model: ModelConfigField
+    tokenizer: TokenizerSpec
+    tokenizer_size: int | None = None  # its vocabulary, for people; None where not recorded
+    log_window: LogWindowRecord | None = None
+    training_data: list[str] | None = None  # the training data's prefix list (weights included), as given
+    converted_from: str | None = None  # the Hugging Face folder an import read
+    command_line: str = ""  # for people only: nothing reads it back
 
 
-class Manifest(_Record):
+class LayoutRecord(StrictRecord):
+    """The saving run's parallel sizes; None where a checkpoint saved before format 2 did not record one."""
+
+    world_size: int | None
+    tensor_parallel_size: int | None
+    pipeline_parallel_size: int | None
+    data_parallel_size: int | None
+    expert_parallel_size: int | None
+    expert_tensor_parallel_size: int | None
+
+
+class EngineRecord(StrictRecord):
+    """The engine's state besides its tensors. `client_state` is what a caller of the engine's
+    `save_checkpoint(client_state=...)` passed (DeepSpeed's API); the training loop passes none."""
+
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+    optimizer_groups: list[dict[str, Any]]
+    lr_scheduler: dict[str, Any] | None
+    loss_scaler: dict[str, Any] | None
+    tensor_parallel_splits: dict[str, tuple[int, tuple[int, ...] | None]] = {}
+    weights_only: bool = False  # no optimizer state (a Hugging Face import): the optimizer starts afresh
+    client_state: dict[str, Any] = {}
+
+
+def json_checksum(payload: dict[str, Any]) -> str:
+    """The checksum of a manifest's JSON object without its `checksum`, in a canonical spelling, so
+    that a reader checks it before it interprets a single field."""
+    rest = {key: value for key, value in payload.items() if key != "checksum"}
+    return bytes_checksum(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
+
+
+class Manifest(StrictRecord):
     """`checksum` is that of the manifest's own JSON without it, so a flip here is caught too."""
 
     format_version: int
     run: RunRecord | None
-    world_size: int
-    data_parallel_size: int
-    expert_parallel_size: int
-    zero_stage: int
-    precision: str
+    layout: LayoutRecord
+    engine: EngineRecord
+    zero_stage: int | None  # None: saved before manifests
+    precision: str | None
     files: dict[str, FileRecord]
     checksum: str = ""
 
     def own_checksum(self) -> str:
-        return bytes_checksum(self.model_dump_json(exclude={"checksum"}).encode())
+        return json_checksum(self.model_dump(mode="json"))
 
 
 def file_record(path: Path) -> FileRecord:
@@ -78,26 +127,6 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
         handle.write(manifest.model_copy(update={"checksum": manifest.own_checksum()}).model_dump_json(indent=1))
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def read_manifest(folder: Path) -> Manifest | None:
-    """The folder's manifest; None for a checkpoint saved before manifests existed."""
-    path = folder / MANIFEST_FILE
-    if not path.is_file():
-        return None
-    try:
-        manifest = Manifest.model_validate(json.loads(path.read_bytes()))
-    except (ValueError, ValidationError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        reason = str(error).splitlines()[0]
-        raise CheckpointError(f"the manifest {path} is damaged ({reason})") from None
-    if manifest.checksum != manifest.own_checksum():
-        raise CheckpointError(f"the manifest {path} is damaged (its own checksum does not match)")
-    if manifest.format_version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {manifest.format_version} but this version reads up to "
-            f"{FORMAT_VERSION}; load it with the newer toolkit that saved it"
-        )
-    return manifest
 
 
 def file_problem(folder: Path, name: str, expected: FileRecord) -> str | None:

@@ -23,15 +23,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpoint.layout import ENGINE_FILE, MANIFEST_FILE
-from megatron.checkpoint.manifest import read_manifest
-from megatron.checkpoint.verify import read_engine_meta
-from megatron.errors import CheckpointError, ConfigError
+from megatron.checkpoint.verify import read_checkpoint
+from megatron.errors import CheckpointError
 from megatron.model.config import GPTConfig
 from megatron.model.moe.config import MoEConfig
-
-# GPTConfig fields under the names older checkpoints saved them with
-RENAMED_FIELDS = {"layernorm_epsilon": "norm_epsilon"}
 
 SHAPE, MEANING, FREE = "shape", "meaning", "free"
 
@@ -186,44 +181,15 @@ def config_field_names() -> set[str]:
     return names | {f"moe.{field.name}" for field in fields(MoEConfig)}
 
 
-def saved_model_config(saved: dict[str, Any], source: Path) -> GPTConfig:
-    """The GPTConfig a checkpoint recorded as a JSON object (tuples come back as lists, MoEConfig as
-    an object); fields added since take their defaults, renamed ones are read under their old names."""
-    renamed = {RENAMED_FIELDS.get(name, name): value for name, value in saved.items()}
-    try:
-        return GPTConfig(
-            **{
-                **renamed,
-                "num_experts": tuple(renamed.get("num_experts", (1,))),
-                "moe": MoEConfig(**renamed.get("moe", {})),
-            }
-        )
-    except (TypeError, ConfigError) as error:
-        raise CheckpointError(
-            f"the model config in {source} does not fit this version's GPTConfig ({error}); "
-            "load it with the toolkit version that saved it"
-        ) from None
-
-
-def recorded_model_config(folder: Path) -> tuple[dict[str, Any] | None, Path]:
-    """The model config a checkpoint folder records and the file it is in: the manifest's run record,
-    else engine.json's client state (checkpoints saved before manifests); None when neither has one."""
-    manifest = read_manifest(folder)
-    if manifest is not None and manifest.run is not None:
-        return manifest.run.model, folder / MANIFEST_FILE
-    saved = read_engine_meta(folder).get("client_state", {}).get("model_config")
-    return (saved if isinstance(saved, dict) else None), folder / ENGINE_FILE
-
-
 def check_model_config(folder: Path, run: GPTConfig, weights_only: bool, log: Callable[[str], None]) -> None:
     """Refuse with one sentence where checkpoint `folder`'s model differs from `run` (the run's, with
     its padded vocabulary) in a SHAPE field, or in a MEANING one on a resume (`weights_only`: the
     run loads the weights only, as --reset-iteration does); log the changes allowed."""
-    recorded, source = recorded_model_config(folder)
+    recorded = read_checkpoint(folder).run
     if recorded is None:
         log(f" > {folder} records no model config: it is loaded without comparing the model with this run's")
         return
-    saved = saved_model_config(recorded, source)
+    saved = recorded.model
     changes: list[str] = []
     covered: set[str] = set()
     for rule in RULES:

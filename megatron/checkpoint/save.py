@@ -14,7 +14,6 @@ only after step 4, and cleans up what a crash left behind.
 """
 
 import errno
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -22,17 +21,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
 
 from megatron.checkpoint.durable import fsync_path, replace_durably
-from megatron.checkpoint.layout import ENGINE_FILE, MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
+from megatron.checkpoint.layout import MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
 from megatron.checkpoint.manifest import (
     FORMAT_VERSION,
-    MANIFEST_MARK,
+    EngineRecord,
     FileRecord,
+    LayoutRecord,
     Manifest,
     RunRecord,
     file_record,
@@ -43,17 +42,17 @@ from megatron.checkpoint.tensors import pack_by_size, save_rng_state, save_tenso
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
 
-_FILE_OVERHEAD_BYTES = 64 << 10  # safetensors headers, engine.json, manifest: generous per file
+_FILE_OVERHEAD_BYTES = 64 << 10  # safetensors headers, the manifest: generous per file
 PART_BYTES = 256 << 20  # a rank's tensors go into files of about this size
 
 
 @dataclass
 class EngineState:
-    """What one rank writes: its model and optimizer entries, and (first rank) engine.json's content."""
+    """What one rank writes: its model and optimizer entries, and (first rank) the engine's record."""
 
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
-    meta: dict[str, Any] | None
+    engine: EngineRecord | None
     grid: ParallelGrid
     zero_stage: int
     precision: str
@@ -125,10 +124,6 @@ class _RankWriter:
         save_rng_state(self.folder / rank_file(RNG, rank))
         self._written(rank_file(RNG, rank))
 
-    def text(self, name: str, text: str) -> None:
-        (self.folder / name).write_text(text)
-        self._written(name)
-
     def records(self) -> dict[str, FileRecord]:
         try:
             return {name: (flushed.result(), record.result())[1] for name, (flushed, record) in self.pending.items()}
@@ -144,12 +139,21 @@ def _write_rank_files(folder: Path, state: EngineState) -> tuple[dict[str, FileR
         writer.rng(rank)
         writer.tensors(MODEL, rank, state.model)
         writer.tensors(OPTIMIZER, rank, state.optimizer)
-        if state.meta is not None:
-            writer.text(ENGINE_FILE, json.dumps({**state.meta, MANIFEST_MARK: FORMAT_VERSION}, indent=1))
         return writer.records(), None
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         writer.pool.shutdown(cancel_futures=True)
         return {}, getattr(error, "strerror", None) or str(error)
+
+
+def layout_record(grid: ParallelGrid) -> LayoutRecord:
+    return LayoutRecord(
+        world_size=grid.world_size,
+        tensor_parallel_size=grid.tp_size,
+        pipeline_parallel_size=grid.pp_size,
+        data_parallel_size=grid.dp_size,
+        expert_parallel_size=grid.ep_size,
+        expert_tensor_parallel_size=grid.expert_tp_size,
+    )
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -164,15 +168,14 @@ def _move_into_place(staging: Path, final: Path) -> None:
 def _finish(
     staging: Path, final: Path, state: EngineState, files: dict[str, FileRecord], run: RunRecord | None
 ) -> None:
-    grid = state.grid
+    assert state.engine is not None, "the first rank's state carries the engine's record"
     write_manifest(
         staging,
         Manifest(
             format_version=FORMAT_VERSION,
             run=run,
-            world_size=grid.world_size,
-            data_parallel_size=grid.dp_size,
-            expert_parallel_size=grid.ep_size,
+            layout=layout_record(state.grid),
+            engine=state.engine,
             zero_stage=state.zero_stage,
             precision=state.precision,
             files=dict(sorted(files.items())),

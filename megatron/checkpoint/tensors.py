@@ -29,7 +29,7 @@ from megatron.tensor_split import TP_SLICE_MARK, unshard
 
 SLICE_ENTRY = re.compile(rf"(?P<name>.+){TP_SLICE_MARK}0of(?P<count>\d+)")
 EXPERT_ENTRY = re.compile(r"(?P<name>.+)\[\d+\]")  # one expert of a stacked tensor
-# a tensor-parallel tensor's split as engine.json records it: name -> (dim, partition sizes or None)
+# a tensor-parallel tensor's split as the manifest records it: name -> (dim, partition sizes or None)
 SplitTable = dict[str, tuple[int, tuple[int, ...] | None]]
 
 
@@ -178,7 +178,7 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_parallel_splits(module: torch.nn.Module) -> SplitTable:
-    """How the module's tensor-parallel parameters are split, by name, for engine.json."""
+    """How the module's tensor-parallel parameters are split, by name, for the manifest."""
     return {
         name: (split.dim, split.partition_sizes)
         for name, param in module.named_parameters()

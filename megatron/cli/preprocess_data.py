@@ -1,9 +1,10 @@
 """`tools/preprocess_data.py`: tokenize a corpus into Megatron .bin/.idx files (megatron/data/preprocess.py)."""
 
 from megatron.config.parser import FlagParser, positive_int
-from megatron.data.preprocess import TokenizerSpec, preprocess
+from megatron.data.preprocess import preprocess
 from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST, TOKENIZER_TYPES
 from megatron.entry_point import run_entry_point
+from megatron.tokenizer_spec import tokenizer_spec_of
 
 
 def build_parser() -> FlagParser:
@@ -36,18 +37,10 @@ def build_parser() -> FlagParser:
 
 def _preprocess(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
-    spec = TokenizerSpec(
-        args.tokenizer_type,
-        args.tokenizer_model,
-        args.vocab_file,
-        args.merge_file,
-        args.vocab_size,
-        args.null_tokenizer_eod,
-    )
     prefixes = preprocess(
         args.input,
         args.output_prefix,
-        spec,
+        tokenizer_spec_of(args),
         args.json_keys,
         args.append_eod,
         args.workers,

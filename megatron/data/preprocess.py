@@ -20,15 +20,16 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
 from megatron.data.corpus_reader import Texts, corpus_rows, first_row_columns, input_files
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype, bin_path, idx_path
-from megatron.data.tokenizer import NULL_EOD_LAST, Tokenizer, build_tokenizer
+from megatron.data.tokenizer import Tokenizer, tokenizer_of
 from megatron.errors import DataError
+from megatron.tokenizer_spec import TokenizerSpec
 
 # Rows per task sent to a worker: large enough to amortise inter-process traffic, small enough
 # that the progress bar moves smoothly.
@@ -37,25 +38,10 @@ _ROWS_PER_TASK = 64
 Encoded = tuple[list[np.ndarray | None], int]  # token ids per key (None: no text), the row's text bytes
 
 
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """What a worker needs to build its own tokenizer; small and hashable, unlike a tokenizer."""
-
-    tokenizer_type: str
-    tokenizer_model: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    vocab_size: int | None = None
-    null_tokenizer_eod: str = NULL_EOD_LAST
-
-    def build(self) -> Tokenizer:
-        return build_tokenizer(**asdict(self))
-
-
 @functools.lru_cache(maxsize=1)
 def _worker_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     """Each worker process builds its tokenizer once, on its first task."""
-    return spec.build()
+    return tokenizer_of(spec)
 
 
 def _encode_row(spec: TokenizerSpec, append_eod: bool, texts: Texts | None) -> Encoded | None:
@@ -164,7 +150,7 @@ def preprocess(
     skip_invalid_utf8: bool = False,
 ) -> list[str]:
     """Write one indexed dataset per key; return their prefixes. Prints a line for each kind of row skipped."""
-    tokenizer = tokenizer_spec.build()  # fail on bad tokenizer flags before reading anything
+    tokenizer = tokenizer_of(tokenizer_spec)  # fail on bad tokenizer flags before reading anything
     files = input_files(input_pattern)
     prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from megatron.errors import ConfigError, DataError
+from megatron.tokenizer_spec import NULL_EOD_CONVENTIONS, NULL_EOD_EXTRA, NULL_EOD_LAST, TokenizerSpec
 
 
 class Tokenizer(ABC):
@@ -203,17 +204,8 @@ class GPT2BPETokenizer(Tokenizer):
         return bytes(self._byte_decoder[c] for c in visible).decode("utf-8", errors="replace")
 
 
-# Where NullTokenizer's end-of-document id goes. "last": the last of --vocab-size ids, as current
-# Megatron-LM (megatron.core's NullTokenizer, eod_id = vocab_size - 1) and Megatron-Bridge.
-# "extra": one id past them, vocab_size + 1 ids in all, as Megatron-DeepSpeed and Megatron-LM's
-# earlier _NullTokenizer. The two are the same tokenizer for --vocab-size values one apart.
-NULL_EOD_LAST = "last"
-NULL_EOD_EXTRA = "extra"
-NULL_EOD_CONVENTIONS = (NULL_EOD_LAST, NULL_EOD_EXTRA)
-
-
 class NullTokenizer(Tokenizer):
-    """Text is space-separated ids; the end-of-document id is placed by `eod_convention` (see above)."""
+    """Text is space-separated ids; the end-of-document id is placed by `eod_convention` (tokenizer_spec.py)."""
 
     def __init__(self, vocab_size: int, eod_convention: str = NULL_EOD_LAST) -> None:
         if eod_convention not in NULL_EOD_CONVENTIONS:
@@ -288,3 +280,14 @@ def build_tokenizer(
         _require_flag(vocab_size, "--vocab-size", tokenizer_type)
         return NullTokenizer(vocab_size, null_tokenizer_eod)
     raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}.")
+
+
+def tokenizer_of(spec: TokenizerSpec) -> Tokenizer:
+    return build_tokenizer(
+        spec.tokenizer_type,
+        spec.tokenizer_model,
+        spec.vocab_file,
+        spec.merge_file,
+        spec.vocab_size,
+        spec.null_tokenizer_eod,
+    )

@@ -17,7 +17,7 @@ import json
 import re
 import shlex
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from megatron.hf.tensor_maps import Link, model_links
 from megatron.hf.tokenizer_files import ImportedTokenizer, copy_tokenizer_files, import_tokenizer
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig
+from megatron.tokenizer_spec import TokenizerSpec, tokenizer_spec_of
 
 Log = Callable[[str], None]
 TOKENIZER_FOLDER = "tokenizer"  # in --save: the copies of the tokenizer files
@@ -102,12 +103,12 @@ def read_hf_config(hf_dir: Path) -> Any:
         ) from None
 
 
-def parse_model_flags(flags: list[str], vocab_size: int, hf_dir: Path) -> tuple[GPTConfig, dict]:
-    """Our model from `flags`, exactly as pretrain_gpt.py would build it, and the parsed flags."""
+def parse_model_flags(flags: list[str], vocab_size: int, hf_dir: Path) -> tuple[GPTConfig, TokenizerSpec]:
+    """Our model from `flags`, exactly as pretrain_gpt.py would build it, and their tokenizer."""
     positions = flags[flags.index("--max-position-embeddings") + 1]
     try:
         args = build_parser(sizing=True).parse_args(flags + ["--seq-length", positions])
-        return replace(model_config_from_args(args), vocab_size=vocab_size), vars(args)
+        return replace(model_config_from_args(args), vocab_size=vocab_size), tokenizer_spec_of(args)
     except ConfigError as error:
         raise CheckpointError(
             f"{hf_dir} was not imported: its config becomes flags this toolkit refuses ({error})"
@@ -157,7 +158,6 @@ class Conversion:
     planned: list[Planned]
     tokenizer: ImportedTokenizer
     flags: list[str]
-    client_state: dict[str, Any]
     run: RunRecord
 
 
@@ -180,9 +180,7 @@ def import_from_hf(
         runner = LinkRunner(conversion.links, False, index, dtype, refusal)
         with new_folder(target, needed, "the import", log) as staging:
             copy_tokenizer_files(tokenizer, staging / TOKENIZER_FOLDER)
-            write_weights_checkpoint(
-                staging, conversion.planned, runner, conversion.client_state, conversion.run, ep_size
-            )
+            write_weights_checkpoint(staging, conversion.planned, runner, conversion.run, ep_size)
     folder, flags = target / iteration_tag(0), conversion.flags
     if tokenizer.note:
         log(f" > note: {tokenizer.note}")
@@ -218,7 +216,7 @@ def plan_import(
     )
     if ep_size > 1:
         flags += ["--moe-expert-parallel-size", str(ep_size)]
-    config, parsed = parse_model_flags(flags, rows, source)
+    config, tokenizer_spec = parse_model_flags(flags, rows, source)
     check_same_model(config, spec, hf, source)
     uneven = sorted({count for count in config.experts_per_layer if count > 1 and count % ep_size})
     if uneven:
@@ -244,25 +242,14 @@ def plan_import(
             "use; give the folder of one model as save_pretrained wrote it"
         )
     refuse_wrong_shapes(links, expected_entries(config), index, source, hf)
-    model_config = asdict(config)
-    client = {
-        "iteration": 0,
-        "consumed_samples": 0,
-        "model_config": model_config,
-        "flags": parsed,
-        "converted_from": str(source.resolve()),
-    }
     run = RunRecord(
         iteration=0,
         consumed_samples=0,
         consumed_tokens=0,
-        model=model_config,
-        tokenizer={
-            "type": parsed["tokenizer_type"],
-            "model": parsed["tokenizer_model"],
-            "vocab_file": parsed["vocab_file"],
-            "merge_file": parsed["merge_file"],
-            "vocab_size": ours.vocab_size,
-        },
+        model=config,
+        tokenizer=tokenizer_spec,
+        tokenizer_size=ours.vocab_size,
+        converted_from=str(source.resolve()),
+        command_line=shlex.join(flags),
     )
-    return Conversion(links, plan(links, False, index.info, dtype), tokenizer, flags, client, run)
+    return Conversion(links, plan(links, False, index.info, dtype), tokenizer, flags, run)

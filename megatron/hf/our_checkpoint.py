@@ -2,24 +2,30 @@
 written tensor by tensor with the same layout, manifest and crash safety as a training save.
 
 The checkpoint is `SAVE/iter_0000000/` with `latest` naming it: model_rank00000*.safetensors
-(experts one entry per global expert id, so any expert-parallel size loads it), engine.json whose
-client state holds the model config and the flags (as a training run's does, so load_model and
-tools/generate.py read it), and the manifest with every file's size and checksum. It has no
+(experts one entry per global expert id, so any expert-parallel size loads it) and the manifest
+with the run record (model config and tokenizer, as a training run's, so load_model and
+tools/generate.py read it) and every file's size and checksum. It has no
 optimizer or RNG state: training continues from it with `--load SAVE` (the optimizer starts afresh; or
 `--reset-iteration`), under any ZeRO stage and expert-parallel size. The importer writes it into
 the staging folder of new_folder.py, renamed into place whole, so it needs no staging of its own.
 """
 
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from megatron.checkpoint.durable import fsync_path, write_text_durably
-from megatron.checkpoint.layout import ENGINE_FILE, LATEST_FILE, MODEL, iteration_tag, rank_file
-from megatron.checkpoint.manifest import FORMAT_VERSION, FileRecord, Manifest, RunRecord, file_record, write_manifest
+from megatron.checkpoint.layout import LATEST_FILE, MODEL, iteration_tag, rank_file
+from megatron.checkpoint.manifest import (
+    FORMAT_VERSION,
+    EngineRecord,
+    FileRecord,
+    LayoutRecord,
+    Manifest,
+    RunRecord,
+    write_manifest,
+)
 from megatron.checkpoint.save import PART_BYTES
 from megatron.checkpoint.tensors import global_entries, pack_by_size
 from megatron.errors import CheckpointError
@@ -55,16 +61,27 @@ def check_entries(found: dict[str, TensorInfo], expected: dict[str, tuple[int, .
 
 def checkpoint_bytes(planned: list[Planned]) -> int:
     """About as many bytes as `write_weights_checkpoint` writes, generously: the tensors, a header
-    entry for each, engine.json, the manifest and `latest`."""
+    entry for each, the manifest and `latest`."""
     parts = len(pack_by_size(planned, lambda entry: entry.info.nbytes, PART_BYTES))
     return sum(entry.info.nbytes for entry in planned) + 256 * len(planned) + FILE_ALLOWANCE * (parts + 3)
+
+
+# an engine that has taken no step: the optimizer, LR schedule and loss scale of a run loading it start afresh
+WEIGHTS_ONLY = EngineRecord(
+    global_steps=0,
+    micro_steps=0,
+    skipped_steps=0,
+    optimizer_groups=[],
+    lr_scheduler=None,
+    loss_scaler=None,
+    weights_only=True,
+)
 
 
 def write_weights_checkpoint(
     save: Path,
     planned: list[Planned],
     produce: Callable[[str], torch.Tensor],
-    client_state: dict[str, Any],
     run: RunRecord,
     ep_size: int,
 ) -> Path:
@@ -76,29 +93,20 @@ def write_weights_checkpoint(
         name = rank_file(MODEL, 0, part)
         size, checksum = write_file(folder / name, entries, produce)
         files[name] = FileRecord(size=size, checksum=checksum)
-    engine = {
-        "global_steps": 0,
-        "micro_steps": 0,
-        "skipped_steps": 0,
-        "optimizer_groups": [],
-        "lr_scheduler": None,
-        "loss_scaler": None,
-        "client_state": client_state,
-        "dp_size": 1,
-        "ep_size": ep_size,
-        "weights_only": True,
-    }
-    (folder / ENGINE_FILE).write_text(json.dumps(engine, indent=1))
-    fsync_path(folder / ENGINE_FILE)
-    files[ENGINE_FILE] = file_record(folder / ENGINE_FILE)
     write_manifest(
         folder,
         Manifest(
             format_version=FORMAT_VERSION,
             run=run,
-            world_size=1,
-            data_parallel_size=1,
-            expert_parallel_size=ep_size,
+            layout=LayoutRecord(
+                world_size=1,
+                tensor_parallel_size=1,
+                pipeline_parallel_size=1,
+                data_parallel_size=1,
+                expert_parallel_size=ep_size,
+                expert_tensor_parallel_size=1,
+            ),
+            engine=WEIGHTS_ONLY,
             zero_stage=0,
             precision="fp32",
             files=dict(sorted(files.items())),

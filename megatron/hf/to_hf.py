@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron.checkpoint.layout import MODEL, rank_files
+from megatron.checkpoint.reader import saved_run
 from megatron.checkpoint.tensors import pack_by_size
 from megatron.data.tokenizer import Tokenizer
 from megatron.errors import CheckpointError
@@ -28,13 +29,7 @@ from megatron.hf.safetensors_io import INDEX_FILE, Planned, TensorIndex, write_f
 from megatron.hf.tensor_maps import model_links
 from megatron.hf.tokenizer_check import compare, probe_texts, training_texts
 from megatron.hf.tokenizer_files import export_tokenizer, exported_tokenizer_bytes
-from megatron.inference.checkpoint_model import (
-    TOKENIZER_FILE_FLAGS,
-    checkpoint_folder,
-    model_config_from_state,
-    read_client_state,
-    tokenizer_from_flags,
-)
+from megatron.inference.checkpoint_model import TOKENIZER_FILE_FLAGS, tokenizer_from_spec
 from megatron.inference.mode import inference_config
 from megatron.parallel import single_process_grid
 
@@ -65,13 +60,13 @@ def export_to_hf(
     its floating-point tensors cast to `dtype` if given; returns the folder."""
     out = Path(save)
     refuse_existing_target(out)
-    folder = checkpoint_folder(load, single_process_grid(torch.device("cpu")), ckpt_step)
-    client = read_client_state(folder)
-    config = inference_config(model_config_from_state(client["model_config"], folder))  # dropless, as ours infers
+    saved = saved_run(load, single_process_grid(torch.device("cpu")), ckpt_step)
+    folder = saved.folder
+    config = inference_config(saved.run.model)  # dropless, as ours infers
     spec = choose_spec(config, str(folder))
-    flags, overrides = client["flags"], tokenizer_overrides or {}
-    tokenizer = tokenizer_from_flags(flags, overrides)
-    files = {name: overrides.get(name) or flags.get(name) for name in TOKENIZER_FILE_FLAGS}
+    recorded, overrides = saved.run.tokenizer, tokenizer_overrides or {}
+    tokenizer = tokenizer_from_spec(recorded, overrides)
+    files = {name: overrides.get(name) or getattr(recorded, name) for name in TOKENIZER_FILE_FLAGS}
     with TensorIndex(rank_files(folder, MODEL)) as index:
         check_entries(
             index.info,
@@ -89,7 +84,7 @@ def export_to_hf(
         )
         needed = (
             total
-            + exported_tokenizer_bytes(flags["tokenizer_type"], files, tokenizer)
+            + exported_tokenizer_bytes(recorded.tokenizer_type, files, tokenizer)
             + len(index_text)
             + FILE_ALLOWANCE * (len(shards) + 4)  # config.json, tokenizer_config.json, tokenizer.json, the index
         )
@@ -98,9 +93,9 @@ def export_to_hf(
         )
         with new_folder(out, needed, "the export", log) as staging:
             tokens = export_tokenizer(
-                flags["tokenizer_type"], files, tokenizer, staging, config.max_position_embeddings
+                recorded.tokenizer_type, files, tokenizer, staging, config.max_position_embeddings
             )
-            check_tokenizer(tokenizer, staging, flags.get("data_path") or flags.get("train_data_path"), log)
+            check_tokenizer(tokenizer, staging, saved.run.training_data, log)
             stored = str(shards[0][0].info.dtype).removeprefix("torch.")
             (staging / "config.json").write_text(
                 json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n"

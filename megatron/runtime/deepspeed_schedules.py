@@ -5,7 +5,7 @@ WarmupCosineLR) with DeepSpeed's parameter names, defaults and formulas, so that
 Step semantics (shared by all): t = `last_batch_iteration`, -1 at construction. Construction
 writes the value at t = -1 into the optimizer; the engine calls `step()` after every optimizer
 step that was not skipped, so the k-th optimizer step (counting from 0) runs with the value at
-t = k - 1. `state_dict()` is plain JSON (the engine writes it to engine.json).
+t = k - 1. `state_dict()` is plain JSON (the engine writes it into the checkpoint's manifest).
 
 A param group's lr may be a tensor (as torch and DeepSpeed allow): it is filled in place, and
 the schedules that scale a group's own lr compute in its dtype, as DeepSpeed does.

@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint.layout import ENGINE_FILE
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
-from megatron.checkpoint.verify import DamagedCheckpoint, read_engine_meta, verify_folder
+from megatron.checkpoint.verify import read_checkpoint, verify_folder
 from megatron.errors import ConfigError
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
 from megatron.placement import pipeline_shared, placement_of
@@ -218,16 +217,12 @@ class Engine:
         verify: bool = True,
     ) -> dict[str, Any]:
         """Restore model (and optimizer, schedule, loss scale, RNG) after checking every file
-        against the manifest (`verify=False` when the caller has just done so); returns the client state."""
+        against the manifest (`verify=False` when the caller has just done so); returns the client state
+        that save_checkpoint was given."""
         folder = Path(load_dir) / tag
-        if verify:
-            verify_folder(folder, self.parallel)
-        meta = read_engine_meta(folder)
-        try:
-            engine_checkpoint.restore(self, folder, meta, load_optimizer, load_rng)
-        except KeyError as missing:
-            raise DamagedCheckpoint(f"{folder / ENGINE_FILE} lacks {missing}; load an earlier checkpoint") from None
-        return meta.get("client_state", {})
+        record = verify_folder(folder, self.parallel) if verify else read_checkpoint(folder)
+        engine_checkpoint.restore(self, folder, record.engine, load_optimizer, load_rng)
+        return record.engine.client_state
 
 
 def initialize(

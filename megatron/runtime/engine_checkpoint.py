@@ -1,5 +1,5 @@
 """An engine's share of a checkpoint and its restore: the model and optimizer entries this rank
-owns under their global names, the counters, LR schedule and loss scale for engine.json, and
+owns under their global names, the counters, LR schedule and loss scale for the manifest, and
 DeepSpeed's consolidated 16-bit weights. The engine's save_checkpoint, load_checkpoint and
 save_16bit_model call these."""
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint.layout import MODEL, OPTIMIZER, RNG, rank_file
+from megatron.checkpoint.manifest import EngineRecord
 from megatron.checkpoint.save import EngineState
 from megatron.checkpoint.tensors import (
     ShardedReader,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 def checkpoint_state(engine: "Engine", client_state: dict[str, Any] | None = None) -> EngineState:
     """This rank's share of a checkpoint: the model and optimizer entries it owns under their
-    global names, and (first rank) the counters, schedule and loss scale for engine.json."""
+    global names, and (first rank) the counters, schedule and loss scale for the manifest."""
     grid = engine.parallel
     # each pipeline stage's first rank writes the stage's dense tensors (whole, gathered over tp)
     owns = grid.checkpoint_owners()
@@ -46,24 +47,21 @@ def checkpoint_state(engine: "Engine", client_state: dict[str, Any] | None = Non
     with engine.whole_parameters():
         model = model_entries(engine.module, **owns)
     optim, optim_groups = engine.strategy.optimizer_state(**owns), optimizer_groups(engine.optimizer)
-    meta = (
-        {
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "optimizer_groups": optim_groups,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": engine.loss_scaler.state_dict(),
-            "client_state": client_state or {},
-            "dp_size": grid.dp_size,
-            "ep_size": grid.ep_size,
-            "tp_size": grid.tp_size,
-            "tensor_parallel_splits": splits,
-        }
+    record = (
+        EngineRecord(
+            global_steps=engine.global_steps,
+            micro_steps=engine.micro_steps,
+            skipped_steps=engine.skipped_steps,
+            optimizer_groups=optim_groups,
+            lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            loss_scaler=engine.loss_scaler.state_dict(),
+            tensor_parallel_splits=splits,
+            client_state=client_state or {},
+        )
         if grid.is_first_rank
         else None
     )
-    return EngineState(model, optim, meta, grid, engine.strategy.stage, engine.precision)
+    return EngineState(model, optim, record, grid, engine.strategy.stage, engine.precision)
 
 
 def save_16bit_model(engine: "Engine", save_dir: str | Path, save_filename: str = "model.safetensors") -> bool:
@@ -131,11 +129,11 @@ def _scheduled_keys(lr_scheduler: Any) -> set[str]:
     return keys
 
 
-def restore(engine: "Engine", folder: Path, meta: dict[str, Any], load_optimizer: bool, load_rng: bool) -> None:
+def restore(engine: "Engine", folder: Path, saved: EngineRecord, load_optimizer: bool, load_rng: bool) -> None:
     with engine.whole_parameters():
         load_model_entries(engine.module, ShardedReader(folder, MODEL))
         engine.strategy.copy_from_parameters()
-    if load_optimizer and meta.get("weights_only"):  # e.g. imported from Hugging Face
+    if load_optimizer and saved.weights_only:  # e.g. imported from Hugging Face
         load_optimizer = False
         if engine.parallel.is_first_rank:
             print(
@@ -143,13 +141,13 @@ def restore(engine: "Engine", folder: Path, meta: dict[str, Any], load_optimizer
                 flush=True,
             )
     if load_optimizer:
-        reader = ShardedReader(folder, OPTIMIZER, meta.get("tensor_parallel_splits"))
+        reader = ShardedReader(folder, OPTIMIZER, saved.tensor_parallel_splits)
         given = optimizer_groups(engine.optimizer)
-        engine.strategy.load_optimizer_state(reader, meta["optimizer_groups"])
-        if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.strategy.load_optimizer_state(reader, saved.optimizer_groups)
+        if engine.lr_scheduler is not None and saved.lr_scheduler is not None:
             # the schedule steps once per optimizer step that was not skipped
-            steps_taken = meta["global_steps"] - meta["skipped_steps"]
-            changed = restore_schedule(engine.lr_scheduler, meta["lr_scheduler"], steps_taken)
+            steps_taken = saved.global_steps - saved.skipped_steps
+            changed = restore_schedule(engine.lr_scheduler, saved.lr_scheduler, steps_taken)
             if changed and engine.parallel.is_first_rank:
                 print(changed, flush=True)
         ignored = ignored_settings(given, optimizer_groups(engine.optimizer), _scheduled_keys(engine.lr_scheduler))
@@ -160,11 +158,11 @@ def restore(engine: "Engine", folder: Path, meta: dict[str, Any], load_optimizer
                 "to start the optimizer afresh with the new settings",
                 flush=True,
             )
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+        engine.loss_scaler.load_state_dict(saved.loss_scaler)
         # count micro-batches in this run's accumulation: another data-parallel size changes it
-        engine.global_steps = meta["global_steps"]
+        engine.global_steps = saved.global_steps
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
-        engine.skipped_steps = meta["skipped_steps"]
+        engine.skipped_steps = saved.skipped_steps
     rng_path = folder / rank_file(RNG, engine.parallel.rank)
     if load_rng and rng_path.is_file():
         load_rng_state(rng_path)

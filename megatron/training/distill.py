@@ -17,15 +17,10 @@ import torch
 
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
+from megatron.checkpoint.reader import build_saved_model, saved_run
 from megatron.checkpoint.tensors import ShardedReader
 from megatron.config.distill_flags import DistillConfig
 from megatron.errors import CheckpointError, ConfigError
-from megatron.inference.checkpoint_model import (
-    build_saved_model,
-    checkpoint_folder,
-    model_config_from_state,
-    read_client_state,
-)
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.tensor_parallel import TensorParallel
@@ -43,16 +38,15 @@ def teacher_checkpoint(
             f"--load-teacher {cfg.load_teacher} holds no checkpoint (no {LATEST_FILE}); "
             "pass the --save directory of the teacher's training run"
         )
-    folder = checkpoint_folder(cfg.load_teacher, grid)
-    client = read_client_state(folder)
-    saved = model_config_from_state(client["model_config"], folder)
+    record = saved_run(cfg.load_teacher, grid)
+    folder, saved = record.folder, record.run.model
     wrong = cfg.teacher.mismatches(saved)
     if wrong:
         raise ConfigError(
             f"the teacher checkpoint {folder} does not match the teacher flags ({'; '.join(wrong)}); "
             "fix the --*-teacher flags or --load-teacher"
         )
-    teacher_tokenizer = client["flags"].get("tokenizer_type")
+    teacher_tokenizer = record.run.tokenizer.tokenizer_type
     if saved.vocab_size != student.vocab_size:
         raise ConfigError(
             f"the teacher's vocabulary has {saved.vocab_size} (padded) entries from its {teacher_tokenizer} but the "

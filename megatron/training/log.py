@@ -4,10 +4,10 @@ TensorBoard (written by the first rank only)."""
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from megatron.checkpoint.manifest import LogWindowRecord
 from megatron.training.losses import Losses
 from megatron.training.moe_monitor import LayerLoad
 
@@ -19,18 +19,16 @@ PROGRESS_SECONDS = 30.0  # long work (evaluation, slow iterations) says how far 
 class LogWindow:
     """The iterations since the last training line: this rank's loss terms of each and how many
     of them skipped their step. A checkpoint saved between two lines carries it (every
-    rank's, in the client state), so that the first line after a resume averages the same
+    rank's, in its manifest), so that the first line after a resume averages the same
     iterations as the uninterrupted run's line does, to the last bit."""
 
     losses: list[Losses] = field(default_factory=list)
     skipped: int = 0
     carried: int = 0  # how many came from the checkpoint: not timed here, not in this run's losses
 
-    CLIENT_KEY = "log_window"
-
-    def client_state(self, every_rank: list[list[list[float]]]) -> dict[str, Any]:
+    def record(self, every_rank: list[list[list[float]]]) -> LogWindowRecord:
         """What the checkpoint keeps: `every_rank[r]` is rank r's `as_lists()` (terms in `Losses` order)."""
-        return {self.CLIENT_KEY: {"losses": every_rank, "skipped": self.skipped}}
+        return LogWindowRecord(losses=every_rank, skipped=self.skipped)
 
     def stacked(self) -> Losses:
         """Each term of every iteration in the window, as a tensor [iterations]."""
@@ -40,16 +38,17 @@ class LogWindow:
         return self.stacked().vector().tolist() if self.losses else []
 
     @classmethod
-    def from_client_state(cls, client: dict[str, Any], rank: int, world_size: int, device: torch.device) -> "LogWindow":
-        """This rank's window from a checkpoint's client state; an empty one from a checkpoint
-        without it (saved at a line, or by an earlier version). Resumed with another world size,
-        every rank takes the mean over the saved ranks: the same iterations, to rounding."""
-        saved = client.get(cls.CLIENT_KEY)
-        if not saved or not saved["losses"] or not saved["losses"][0]:
+    def from_record(
+        cls, saved: LogWindowRecord | None, rank: int, world_size: int, device: torch.device
+    ) -> "LogWindow":
+        """This rank's window from a checkpoint's record; an empty one from a checkpoint without
+        it (saved at a line, or by an earlier version). Resumed with another world size, every
+        rank takes the mean over the saved ranks: the same iterations, to rounding."""
+        if saved is None or not saved.losses or not saved.losses[0]:
             return cls()
-        ranks = torch.tensor(saved["losses"], dtype=torch.float32, device=device)  # [ranks, iterations, terms]
+        ranks = torch.tensor(saved.losses, dtype=torch.float32, device=device)  # [ranks, iterations, terms]
         mine = ranks[rank] if len(ranks) == world_size else ranks.mean(0)
-        return cls([Losses.from_vector(terms) for terms in mine.unbind(0)], int(saved["skipped"]), carried=len(mine))
+        return cls([Losses.from_vector(terms) for terms in mine.unbind(0)], saved.skipped, carried=len(mine))
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,12 @@
 then train, evaluate, log and checkpoint, Megatron-style."""
 
 import random
+import shlex
+import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +17,7 @@ from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, 
 from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save_lock import hold_save_lock
+from megatron.checkpoint.verify import read_checkpoint
 from megatron.config.flags import PretrainConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
@@ -29,6 +33,7 @@ from megatron.runtime.engine import initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
+from megatron.tokenizer_spec import tokenizer_spec_of
 from megatron.training.distill import init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.log import IntervalStats, LogWindow, TrainingLogger
@@ -191,7 +196,14 @@ class Trainer:
 
     def _load(self, iteration: int) -> None:
         ckpt = self.config.checkpoint
-        client = self.engine.load_checkpoint(
+        folder = Path(self.load_dir) / iteration_tag(iteration)
+        run = read_checkpoint(folder).run
+        if run is None:
+            raise CheckpointError(
+                f"{folder} holds no record of a training run (it was saved through the engine alone); "
+                "--load a checkpoint saved by pretrain_gpt.py"
+            )
+        self.engine.load_checkpoint(
             self.load_dir,
             iteration_tag(iteration),
             load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
@@ -201,13 +213,13 @@ class Trainer:
         self.log.info(f" > loaded checkpoint {self.load_dir}/{iteration_tag(iteration)} at iteration {iteration}")
         if ckpt.reset_iteration:
             self.log.info(
-                f" > --reset-iteration: weights from {ckpt.load} (iteration {client['iteration']}), "
+                f" > --reset-iteration: weights from {ckpt.load} (iteration {run.iteration}), "
                 "fresh optimizer and LR schedule, starting at iteration 0"
             )
         else:
-            self.iteration = self.saved_iteration = client["iteration"]
-            self.consumed_samples = client["consumed_samples"]
-            self.window = LogWindow.from_client_state(client, self.grid.rank, self.grid.world_size, self.grid.device)
+            self.iteration = self.saved_iteration = run.iteration
+            self.consumed_samples = run.consumed_samples
+            self.window = LogWindow.from_record(run.log_window, self.grid.rank, self.grid.world_size, self.grid.device)
 
     def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> tuple[GPTModel | None, bool]:
         """Check the teacher, initialise a fresh student from it if asked, and return it while KD
@@ -391,32 +403,23 @@ class Trainer:
         return self.dp_mean(total / steps)
 
     def _save(self, result: TrainResult) -> None:
-        model_config = asdict(self.model_config)
-        client = {
-            "iteration": self.iteration,
-            "consumed_samples": self.consumed_samples,
-            "model_config": model_config,
-            "flags": self.config.flags,
-        }
-        if self.window.losses:  # saved between two log lines (on every rank alike): the next line needs them
-            client.update(self.window.client_state(self.grid.gather_from_all(self.window.as_lists())))
+        # saved between two log lines (on every rank alike), the window is what the next line needs
+        window = self.window.record(self.grid.gather_from_all(self.window.as_lists())) if self.window.losses else None
         data = self.config.data
         run = RunRecord(
             iteration=self.iteration,
             consumed_samples=self.consumed_samples,
             consumed_tokens=self.consumed_samples * self.config.training.seq_length,
-            model=model_config,
-            tokenizer={
-                "type": data.tokenizer_type,
-                "model": data.tokenizer_model,
-                "vocab_file": data.vocab_file,
-                "merge_file": data.merge_file,
-                "vocab_size": self.tokenizer.vocab_size,
-            },
+            model=self.model_config,
+            tokenizer=tokenizer_spec_of(data),
+            tokenizer_size=self.tokenizer.vocab_size,
+            log_window=window,
+            training_data=list(data.data_path or data.train_data_path or ()) or None,
+            command_line=shlex.join(sys.argv),
         )
         self.log.info(f" > saving checkpoint at iteration {self.iteration} to {self.config.checkpoint.save}")
         start = time.perf_counter()
-        path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, client, run)
+        path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, run)
         result.checkpoint = str(path)
         self.saved_iteration = self.iteration
         self.log.info(

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.checkpoint.reader import saved_run
 from megatron.checkpoint.tensors import ShardedReader
 from megatron.errors import ConfigError
-from megatron.inference.checkpoint_model import checkpoint_folder, model_config_from_state, read_client_state
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
 from megatron.parallel import ParallelGrid
@@ -99,8 +99,8 @@ def check_upcycling(moe: GPTConfig, dense: GPTConfig, source: str) -> None:
 def upcycle_from_checkpoint(model: GPTModel, load_dir: str, grid: ParallelGrid, iteration: int | None) -> str:
     """Fill `model` from the dense checkpoint in `load_dir` (its latest, or `iteration`), after
     checking that it fits; returns the log line."""
-    folder = checkpoint_folder(load_dir, grid, iteration)
-    dense = model_config_from_state(read_client_state(folder)["model_config"], folder)
+    saved = saved_run(load_dir, grid, iteration)
+    folder, dense = saved.folder, saved.run.model
     check_upcycling(model.config, dense, str(folder))
     return upcycle(model, ShardedReader(folder, "model").get, dense) + f" ({folder})"
 
