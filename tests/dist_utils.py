@@ -6,6 +6,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -39,3 +40,37 @@ def run_distributed(fn: RankFn, world_size: int, *args) -> list[dict[str, torch.
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size, join=True)
         return [load_file(str(Path(out_dir) / f"rank{rank}.safetensors")) for rank in range(world_size)]
+
+
+Results = list[dict[str, torch.Tensor]]
+
+
+def _selected_layouts(request: pytest.FixtureRequest, world: int) -> tuple[list[str], bool]:
+    """The layouts of `world` ranks that this session's selected tests of the requesting module
+    check (their `layout` parameter), and whether a test of that world without one (a checkpoint
+    test) is selected too."""
+    layouts, others = set(), False
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is not request.module or spec is None or spec.params.get("world") != world:
+            continue
+        if "layout" in spec.params:
+            layouts.add(spec.params["layout"])
+        else:
+            others = True
+    return sorted(layouts), others
+
+
+def layout_spawns(request: pytest.FixtureRequest, fn: RankFn, *args: object) -> Callable[[int], Results]:
+    """For a module whose tests each check one layout (parametrized `world` and `layout`) or the
+    checkpoints moved between layouts (`world` alone): each world's results from one spawn, made
+    when a test first asks, of fn(*args, layouts, checkpoints) with only what the selected tests
+    need, so that a layout run alone (`pytest -k`) trains that layout alone."""
+    made: dict[int, Results] = {}
+
+    def results(world: int) -> Results:
+        if world not in made:
+            made[world] = run_distributed(fn, world, *args, *_selected_layouts(request, world))
+        return made[world]
+
+    return results

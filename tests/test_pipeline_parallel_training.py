@@ -4,6 +4,8 @@ TP=2 x PP=2 and PP=2 x EP=2 (ZeRO 1 and 3), PP=2 x DP=2 (ZeRO 1, 2 and 3) and PP
 (ZeRO 3), losses to 1e-5 relative and every stage's parameters after
 the steps; checkpoints move between PP=2 and one process."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ import torch.distributed as dist
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training.loop import Trainer
-from tests.dist_utils import run_distributed
+from tests.dist_utils import Results, layout_spawns, run_distributed
 from tests.test_tensor_parallel_training import ARCHITECTURES, _train, assert_same, offload, write_offload_configs
 from tests.training_fixtures import tiny_config, write_corpus
 
@@ -68,10 +70,14 @@ TP2_EP2 = {
 }
 
 
-def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
+def _on_rank(corpus: str, folder: str, layouts: list[str], checkpoints: bool) -> dict[str, torch.Tensor]:
+    """Each of `layouts` (keys of _runs) trained under PP=2; with `checkpoints`, the checkpoints moved
+    between this world's layout and one process's."""
     world = dist.get_world_size()
     out = {}
     for key, _, flags in _runs(world, folder):
+        if key not in layouts:
+            continue
         tp = int(flags.get("tensor_model_parallel_size", 1))
         grid = build_parallel_grid(
             torch.device("cpu"),
@@ -86,6 +92,8 @@ def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
         grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
         with pytest.raises(ConfigError, match="ZeRO stage 2 reduces gradients during backward, before the tied word"):
             _train(corpus, 1, grid, pipeline_model_parallel_size=2, zero_stage=2)
+    if not checkpoints:
+        return out
     # checkpoints: this layout's for one process, and one process's resumed here
     if world == 2:
         grid = build_parallel_grid(torch.device("cpu"), pp_size=2)
@@ -143,31 +151,54 @@ def _stage_parameters(results: list[dict[str, torch.Tensor]], key: str) -> dict[
     return found
 
 
+@pytest.fixture(scope="module")
+def distributed(request, corpus, folder, serial) -> Callable[[int], Results]:
+    """Every rank's results of one spawn per world size (after `serial`, whose checkpoints it resumes)."""
+    return layout_spawns(request, _on_rank, corpus, folder)
+
+
+LAYOUTS = [(world, key) for world in (2, 4) for key, _, _ in _runs(world, "")]
+
+
+@pytest.mark.parametrize("world, layout", LAYOUTS, ids=[f"w{world}-{key}" for world, key in LAYOUTS])
+def test_a_pipeline_parallel_layout_trains_as_one_process(distributed, serial, world: int, layout: str) -> None:
+    results = distributed(world)
+    reference = next(reference for key, reference, _ in _runs(world, "") if key == layout)
+    want = serial[reference]
+    # every rank reports the pipeline's loss of its data-parallel share; the shares average to the whole
+    losses = torch.stack([result[f"{layout}/losses"] for result in results]).mean(0)
+    assert len(losses) == 10
+    torch.testing.assert_close(losses, want["losses"], rtol=1e-5, atol=0, msg=f"{layout}/losses")
+    found = _stage_parameters(results, layout)
+    assert set(found) == set(want) - {"losses"}, layout  # the stages hold every parameter between them
+    for name, values in found.items():
+        for value in values:
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-6, msg=f"{layout}/{name}")
+
+
+# per world size: the layout its checkpoint test moves checkpoints to and from, its folder, and the reference run
+CHECKPOINT_LAYOUTS = {
+    2: ("PP=2", "pp2", "classic", {}),
+    4: ("TP=2 x PP=2 x EP=2", "tp2pp2ep2", "moe", ARCHITECTURES["moe"]),
+}
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipeline_parallel_training_equals_one_process(corpus, serial, folder, world: int) -> None:
-    results = run_distributed(_on_rank, world, corpus, folder)
-    for key, reference, _ in _runs(world, folder):
-        want = serial[reference]
-        # every rank reports the pipeline's loss of its data-parallel share; the shares average to the whole
-        losses = torch.stack([result[f"{key}/losses"] for result in results]).mean(0)
-        assert len(losses) == 10
-        torch.testing.assert_close(losses, want["losses"], rtol=1e-5, atol=0, msg=f"{key}/losses")
-        found = _stage_parameters(results, key)
-        assert set(found) == set(want) - {"losses"}, key  # the stages hold every parameter between them
-        for name, values in found.items():
-            for value in values:
-                torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-6, msg=f"{key}/{name}")
-    layout, saved, reference, flags = (
-        ("PP=2", "pp2", "classic", {})
-        if world == 2
-        else ("TP=2 x PP=2 x EP=2", "tp2pp2ep2", "moe", ARCHITECTURES["moe"])
-    )
+def test_one_processs_checkpoint_resumes_under_pipeline_parallelism(distributed, serial, world: int) -> None:
+    results = distributed(world)
+    layout, _, reference, _ = CHECKPOINT_LAYOUTS[world]
     for name, values in _stage_parameters(results, "resumed").items():
         for value in values:
             torch.testing.assert_close(
                 value, serial[reference][name], rtol=1e-5, atol=2e-6, msg=f"{layout} resumed from one process: {name}"
             )
     torch.testing.assert_close(results[0]["resumed/losses"], serial[reference]["losses"][5:], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_pipeline_parallel_checkpoint_resumes_on_one_process(distributed, serial, corpus, folder, world: int) -> None:
+    distributed(world)  # saves it
+    layout, saved, reference, flags = CHECKPOINT_LAYOUTS[world]
     grid = single_process_grid(torch.device("cpu"))
     assert_same(
         _train(corpus, 1, grid, zero_stage=3, load=f"{folder}/{saved}", ckpt_step=5, **flags),

@@ -5,6 +5,7 @@ move between the layouts: saved at iteration 5 under one (TP, DP, ZeRO stage) an
 another, the run ends where the uninterrupted one does, optimizer state included."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.placement import expert_ids, tensor_parallel_split
 from megatron.training.loop import Trainer
-from tests.dist_utils import run_distributed
+from tests.dist_utils import Results, layout_spawns
 from tests.training_fixtures import MODERN_MOE, tiny_config, write_corpus
 
 ARCHITECTURES = {
@@ -184,11 +185,16 @@ def _train_in_layout(corpus: str, **flags: object) -> dict[str, torch.Tensor]:
     return _train(corpus, grid.dp_size, grid, **flags)
 
 
-def _on_rank(corpus: str, folder: str) -> dict[str, torch.Tensor]:
+def _on_rank(corpus: str, folder: str, layouts: list[str], checkpoints: bool) -> dict[str, torch.Tensor]:
+    """Each of `layouts` (keys of _runs) trained; with `checkpoints`, the checkpoints moved between
+    this layout and one process's."""
     world = dist.get_world_size()
     out = {}
     for key, flags in _runs(world, folder):
-        out.update({f"{key}/{name}": value for name, value in _train_in_layout(corpus, **flags).items()})
+        if key in layouts:
+            out.update({f"{key}/{name}": value for name, value in _train_in_layout(corpus, **flags).items()})
+    if not checkpoints:
+        return out
     # a checkpoint of this layout for the single process, and resumes of the single process's
     grid = build_parallel_grid(torch.device("cpu"), tp_size=2)
     stage = 1 if world == 2 else 3
@@ -258,62 +264,78 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=2e-6, msg=f"{what}{name}")
 
 
+@pytest.fixture(scope="module")
+def distributed(request, corpus, folder, serial) -> Callable[[int], Results]:
+    """Every rank's results of one spawn per world size (after `serial`, whose checkpoints it resumes)."""
+    return layout_spawns(request, _on_rank, corpus, folder)
+
+
+def _averaged(results: Results, prefix: str) -> dict[str, torch.Tensor]:
+    """Rank 0's whole parameters under `prefix`, with the losses of the data-parallel shares averaged."""
+    out = {name[len(prefix) :]: value for name, value in results[0].items() if name.startswith(prefix)}
+    out["losses"] = torch.stack([result[f"{prefix}losses"] for result in results]).mean(0)
+    return out
+
+
+LAYOUTS = [(world, key) for world in (2, 4) for key, _ in _runs(world, "")]
+
+
+@pytest.mark.parametrize("world, layout", LAYOUTS, ids=[f"w{world}-{key}" for world, key in LAYOUTS])
+def test_a_tensor_parallel_layout_trains_as_one_process(distributed, serial, world: int, layout: str) -> None:
+    results = distributed(world)
+    want = serial[layout.split("/")[0]]
+    assert len(want["losses"]) == 10
+    # each rank's loss is over its data-parallel share of the batch; the shares average to the whole
+    losses = torch.stack([result[f"{layout}/losses"] for result in results]).mean(0)
+    torch.testing.assert_close(losses, want["losses"], rtol=1e-5, atol=0, msg=f"{layout}/losses")
+    for rank, result in enumerate(results):
+        for name, value in want.items():
+            if name != "losses":  # the split GEMMs and the vocabulary-parallel loss sum in another order
+                torch.testing.assert_close(
+                    result[f"{layout}/{name}"], value, rtol=1e-5, atol=2e-6, msg=f"rank {rank} {layout}/{name}"
+                )
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_training_equals_one_process_and_checkpoints_move_between_layouts(
-    corpus,
-    serial,
-    folder,
-    world: int,
-) -> None:
-    results = run_distributed(_on_rank, world, corpus, folder)
-    for key, _ in _runs(world, folder):
-        want = serial[key.split("/")[0]]
-        assert len(want["losses"]) == 10
-        # each rank's loss is over its data-parallel share of the batch; the shares average to the whole
-        losses = torch.stack([result[f"{key}/losses"] for result in results]).mean(0)
-        torch.testing.assert_close(losses, want["losses"], rtol=1e-5, atol=0, msg=f"{key}/losses")
-        for rank, result in enumerate(results):
-            for name, value in want.items():
-                if name != "losses":  # the split GEMMs and the vocabulary-parallel loss sum in another order
-                    torch.testing.assert_close(
-                        result[f"{key}/{name}"], value, rtol=1e-5, atol=2e-6, msg=f"rank {rank} {key}/{name}"
-                    )
-    # the single process's checkpoint resumed under TP=2 at stage 0 and 3 (losses of DP shares averaged)
-    for stage in (0, 3):
-        resumed = {
-            name[len(f"resumed{stage}/") :]: value
-            for name, value in results[0].items()
-            if name.startswith(f"resumed{stage}/")
-        }
-        resumed["losses"] = torch.stack([r[f"resumed{stage}/losses"] for r in results]).mean(0)
-        assert len(resumed["losses"]) == 5
-        assert_same(resumed, serial["modern"], f"TP=2 x DP={world // 2} resumed at stage {stage} from one process: ")
-    # and this layout's checkpoint resumed by one process, at stage 0 and stage 3
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_processs_checkpoint_resumes_under_tensor_parallelism(distributed, serial, world: int, stage: int) -> None:
+    resumed = _averaged(distributed(world), f"resumed{stage}/")
+    assert len(resumed["losses"]) == 5
+    assert_same(resumed, serial["modern"], f"TP=2 x DP={world // 2} resumed at stage {stage} from one process: ")
+
+
+def _resumed_on_one_process(corpus: str, saved: str, stage: int, architecture: str) -> dict[str, torch.Tensor]:
+    """Training resumed on one process at ZeRO `stage` from the multi-rank checkpoint in `saved`."""
     grid = single_process_grid(torch.device("cpu"))
-    for stage in (0, 3):
-        resumed = _train(
-            corpus, 1, grid, zero_stage=stage, load=f"{folder}/tp2_w{world}", ckpt_step=5, **ARCHITECTURES["modern"]
-        )
-        assert_same(resumed, serial["modern"], f"one process at stage {stage} resumed from TP=2 x DP={world // 2}: ")
-    # split experts: one process's MoE checkpoint resumed under expert-TP, and expert-TP's by one process
-    resumed = {
-        name[len("moe_resumed/") :]: value for name, value in results[0].items() if name.startswith("moe_resumed/")
-    }
-    resumed["losses"] = torch.stack([r["moe_resumed/losses"] for r in results]).mean(0)
+    return _train(corpus, 1, grid, zero_stage=stage, load=saved, ckpt_step=5, **ARCHITECTURES[architecture])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tensor_parallel_checkpoint_resumes_on_one_process(
+    distributed, serial, corpus, folder, world: int, stage: int
+) -> None:
+    distributed(world)  # saves it
+    resumed = _resumed_on_one_process(corpus, f"{folder}/tp2_w{world}", stage, "modern")
+    assert_same(resumed, serial["modern"], f"one process at stage {stage} resumed from TP=2 x DP={world // 2}: ")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_processs_moe_checkpoint_resumes_under_expert_tensor_parallelism(distributed, serial, world: int) -> None:
+    resumed = _averaged(distributed(world), "moe_resumed/")
     assert_same(resumed, serial["modern_moe"], f"expert-TP=2 on {world} ranks resumed from one process: ")
-    for stage in (0, 3):
-        resumed = _train(
-            corpus,
-            1,
-            grid,
-            zero_stage=stage,
-            load=f"{folder}/etp2_w{world}",
-            ckpt_step=5,
-            **ARCHITECTURES["modern_moe"],
-        )
-        assert_same(
-            resumed, serial["modern_moe"], f"one process at stage {stage} resumed from expert-TP=2 on {world} ranks: "
-        )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_expert_tensor_parallel_checkpoint_resumes_on_one_process(
+    distributed, serial, corpus, folder, world: int, stage: int
+) -> None:
+    distributed(world)  # saves it
+    resumed = _resumed_on_one_process(corpus, f"{folder}/etp2_w{world}", stage, "modern_moe")
+    assert_same(
+        resumed, serial["modern_moe"], f"one process at stage {stage} resumed from expert-TP=2 on {world} ranks: "
+    )
 
 
 @pytest.mark.parametrize(
