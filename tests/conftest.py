@@ -9,16 +9,16 @@ requires_cuda = pytest.mark.skipif(
 
 # Every test module's tier, by the heaviest thing it does (`make test-fast` runs `-m unit`):
 # unit: in-process, no process group, no trainer, no subprocess;
-# integration: in-process trainers, engines, checkpoints and checkpoint fixtures;
+# integration: in-process trainers, engines, checkpoints and checkpoint fixtures, DataLoader workers;
 # distributed: spawns 2-4 gloo ranks (tests/dist_utils.py) or runs torchrun;
 # tools: runs the command-line tools as subprocesses.
 TIERS = {
-    "unit": """aio_tools arguments checksum config_faults cpu_adam cuda_paths data_integrity data_loader_worker_faults
+    "unit": """aio_tools arguments checksum config_faults cpu_adam cuda_paths data_integrity
         deepspeed_config gpt_dataset indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating
         package_imports placement resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
         zero_residency""",
-    "integration": """checkpoint_faults checkpoint_format1 generation hf_import_faults load_config_check memory
-        run_end_faults runtime""",
+    "integration": """checkpoint_faults checkpoint_format1 data_loader_worker_faults generation hf_import_faults
+        load_config_check memory run_end_faults runtime""",
     "distributed": """config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop long_runs
         model_size moe_ep_dispatch moe_layer moe_router_options moe_training offload parallel_grid
         pipeline_parallel_training save_lock swap_integrity tensor_parallel tensor_parallel_model
