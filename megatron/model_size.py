@@ -24,18 +24,18 @@ Activations are not counted: they depend on micro-batch, sequence length and act
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from megatron.config.flags import PretrainConfig
-from megatron.data.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.data.tokenizer import padded_vocab_size, tokenizer_of
 from megatron.errors import ConfigError, DataError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoELayer
 from megatron.model.pipeline_stage import layer_counts
 from megatron.parallel import check_parallel_sizes
 from megatron.placement import expert_ids
+from megatron.tokenizer_spec import TokenizerSpec, tokenizer_spec_of
 
 GIB = 2**30
 ZERO_STAGES = (0, 1, 2, 3)
@@ -293,25 +293,18 @@ class Vocabulary:
         return self.tokens if self.divisible_by is None else padded_vocab_size(self.tokens, self.divisible_by * tp_size)
 
 
-def sizing_vocab(flags: dict[str, Any]) -> Vocabulary:
+def sizing_vocab(tokenizer: TokenizerSpec, divisible_by: int) -> Vocabulary:
     """The vocabulary: from --vocab-size (GPT-2's is GPT2_VOCAB) or else from the tokenizer files."""
-    raw = flags.get("vocab_size")
-    if flags["tokenizer_type"] == "NullTokenizer" or raw is None:
+    raw = tokenizer.vocab_size
+    if tokenizer.tokenizer_type == "NullTokenizer" or raw is None:
         try:
-            raw = build_tokenizer(
-                flags["tokenizer_type"],
-                tokenizer_model=flags.get("tokenizer_model"),
-                vocab_file=flags.get("vocab_file"),
-                merge_file=flags.get("merge_file"),
-                vocab_size=flags.get("vocab_size"),
-                null_tokenizer_eod=flags["null_tokenizer_eod"],
-            ).vocab_size
+            raw = tokenizer_of(tokenizer).vocab_size
         except (DataError, OSError, TypeError, ValueError) as e:
             raise DataError(
                 f"cannot read the tokenizer to size the vocabulary ({e}); "
                 f"give --vocab-size N ({GPT2_VOCAB} for GPT-2) to size the model without its files"
             ) from e
-    return Vocabulary(raw, flags["make_vocab_size_divisible_by"])
+    return Vocabulary(raw, divisible_by)
 
 
 def with_scale(n: float) -> str:
@@ -474,7 +467,7 @@ def dry_run(config: PretrainConfig, world: int) -> None:
         t.last_stage_layers,
         t.expert_tensor_parallel_size,
     )
-    vocabulary = sizing_vocab(config.flags)
+    vocabulary = sizing_vocab(tokenizer_spec_of(config.data), config.data.make_vocab_size_divisible_by)
     model = replace(config.model, vocab_size=vocabulary.rows(layout.tp_size))
     zero_stage = config.runtime_config(world // (layout.tp_size * layout.pp_size)).zero_optimization.stage
     if int(os.environ.get("RANK", "0")) == 0:

@@ -2,7 +2,8 @@
 with one sentence: a boolean where an integer belongs (`"stage": true` ran as stage 1), a number
 or boolean in quotes (read as a contradiction), a TensorBoard folder that is a file (a
 NotADirectoryError once training ran), damage to a parameter swap file (reported as optimizer
-state), and fp16 loss-scale flags outside the range their JSON keys accept."""
+state), fp16 loss-scale flags outside the range their JSON keys accept, and settings that
+contradict each other (refused as the config is read, so --dry-run reports them)."""
 
 import json
 import re
@@ -14,6 +15,8 @@ import pytest
 import torch
 from pydantic import BaseModel
 
+from megatron.cli.pretrain_gpt import pretrain_from_flags
+from megatron.cli.threads import ThreadChoice
 from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
 from megatron.runtime.config.schema import RuntimeConfig, validate_runtime_config
@@ -219,3 +222,28 @@ def test_loss_scale_flags_accept_what_their_json_keys_accept(flag, key, as_json,
         by_flag = accepted(flags, "--fp16", "--initial-loss-scale", str(2.0**127), flag, repr(value))
         fp16 = {"enabled": True, "initial_scale_power": 127, key: as_json(value)}
         assert by_flag == accepted(validate_runtime_config, {"fp16": fp16}), (flag, value)
+
+
+# combinations the engine used to refuse only once the data was indexed and the model built, so
+# that --dry-run passed them: each a ds_config (or flags) and the start of its sentence
+COMBINATIONS = [
+    ({"optimizer": {"type": "Lamb"}}, ["--zero-stage", "1"], "optimizer Lamb needs whole tensors"),  # JSON and flag
+    ({"optimizer": {"params": {"bias_correction": False}}}, [], "optimizer.params.bias_correction false is"),
+    ({"zero_optimization": {"stage": 2}}, ["--pipeline-model-parallel-size", "2"], "ZeRO stage 2 reduces gradients"),
+]
+
+
+@pytest.mark.parametrize("ds, extra, sentence", COMBINATIONS, ids=["lamb_zero", "bias_correction", "pp_tied_zero2"])
+def test_a_contradiction_of_settings_is_what_dry_run_reports(tmp_path, capsys, monkeypatch, ds, extra, sentence):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the ranks torchrun would start
+    extra = [*extra, "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--dry-run"]
+    argv = FLAGS + with_json(tmp_path, {"train_micro_batch_size_per_gpu": 2, **ds}) + extra
+    threads = ThreadChoice("1", "PASSIVE", chosen_here=False)
+    with pytest.raises(ConfigError, match=f"^{re.escape(sentence)}"):
+        pretrain_from_flags(argv, threads)
+    assert "total parameters" not in capsys.readouterr().out
+    # the same run otherwise: the dry run sizes it
+    fixed = {"optimizer": {"type": "AdamW"}} if "optimizer" in ds else {"zero_optimization": {"stage": 1}}
+    argv = FLAGS + with_json(tmp_path, {"train_micro_batch_size_per_gpu": 2, **fixed}) + extra
+    pretrain_from_flags(argv, threads)
+    assert "total parameters" in capsys.readouterr().out

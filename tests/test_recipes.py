@@ -131,7 +131,7 @@ def test_every_recipe_sources_the_one_settings_file():
 def test_offload_setting_writes_the_offload_blocks_the_runtime_accepts(tmp_path):
     _, config, ds = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path, OFFLOAD="nvme", ZERO_STAGE="3")
     zero = config.runtime_config(1).zero_optimization
-    assert ds["zero_optimization"]["stage"] == config.flags["zero_stage"] == zero.stage == 3
+    assert ds["zero_optimization"]["stage"] == zero.stage == 3  # --zero-stage and the JSON agree, or parsing refused
     assert zero.offload_optimizer.device == zero.offload_param.device == "nvme" and zero.offload_param.max_in_cpu == 0
     assert zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path == str(tmp_path / "out" / "swap")
     _, config, _ = printed_run("ds_pretrain_gpt_tiny_MoE_cpu.sh", tmp_path, OFFLOAD="cpu", ZERO_STAGE="2")

@@ -24,10 +24,12 @@ import torch
 
 from megatron.config.flags import PretrainConfig, build_parser, parse_args, with_data_parallel_size
 from megatron.config.parser import FlagParser, positive_float, positive_int
+from megatron.config.spans import Span
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError, TrainingStopped
 from megatron.parallel import build_parallel_grid
 from megatron.plotting import Curve, Mark, line_figure, require_matplotlib, save_png
+from megatron.runtime.config.schema import SchedulerConfig
 from megatron.runtime.lr_range_test import (
     DIVERGENCE_FACTOR,
     RangePoint,
@@ -146,13 +148,11 @@ def range_test_config(config: PretrainConfig, own: argparse.Namespace) -> Pretra
     if config.dry_run:
         raise ConfigError("--dry-run sizes a model for pretrain_gpt.py; drop it to run the LR range test")
     # a DeepSpeed "scheduler" block replaces the flags' LR schedule (and any the JSON names)
-    deepspeed_json = {
-        **(config.training.deepspeed_json or {}),
-        "scheduler": {"type": SCHEDULE, "params": schedule_params(own)},
-    }
+    scheduler = SchedulerConfig(type=SCHEDULE, params=schedule_params(own))
     return replace(
         config,
-        training=replace(config.training, train_iters=own.steps, deepspeed_json=deepspeed_json),
+        training=replace(config.training, train_length=Span("iters", own.steps)),
+        runtime=config.runtime.model_copy(update={"scheduler": scheduler}),
         logging=replace(config.logging, tensorboard_dir=None),
         checkpoint=replace(config.checkpoint, save=None, reset_iteration=config.checkpoint.load is not None),
     )

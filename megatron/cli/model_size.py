@@ -9,6 +9,7 @@ from megatron.config.parser import FlagParser, positive_int
 from megatron.entry_point import run_entry_point
 from megatron.errors import ConfigError
 from megatron.model_size import GPT2_VOCAB, Layout, Vocabulary, size_report, sizing_vocab
+from megatron.tokenizer_spec import tokenizer_spec_of
 
 DESCRIPTION = (
     "Size a GPT model from pretrain_gpt.py's model flags without building it or reading any data: "
@@ -33,7 +34,7 @@ def tool_vocab(args: argparse.Namespace) -> tuple[Vocabulary, str | None]:
             f"note: no --vocab-size, --padded-vocab-size or tokenizer file given: sizing with GPT-2's "
             f"vocabulary of {GPT2_VOCAB:,} tokens (padded to {vocabulary.rows(args.tensor_model_parallel_size):,})"
         )
-    return sizing_vocab(vars(args)), None
+    return sizing_vocab(tokenizer_spec_of(args), args.make_vocab_size_divisible_by), None
 
 
 def build_size_parser() -> FlagParser:

@@ -5,10 +5,10 @@ checks against it, so a recipe states what it expects and a wrong checkpoint sto
 """
 
 import argparse
-import math
 from dataclasses import dataclass, fields, replace
 
 from megatron.config.parser import non_negative_float, positive_float, positive_int
+from megatron.config.spans import Span
 from megatron.errors import ConfigError
 from megatron.model.config import MLP_TYPES, GPTConfig
 
@@ -57,9 +57,15 @@ class DistillConfig:
     alpha_ce: float  # weight of the student's own LM cross entropy while KD is on
     beta_ce: float  # weight of the KD term
     temperature: float
-    stop_iteration: int | None  # KD off from this iteration on (staged KD); None: KD for the whole run
+    kd_stop: Span | None  # --kd-stop-iters or --kd-stop-tokens as given; None: KD for the whole run
+    stop_iteration: int | None  # kd_stop in iterations of the global batch: KD off from this one on
     init_from_teacher: bool
     teacher: TeacherExpectation
+
+    def for_batch(self, global_batch_size: int, seq_length: int) -> "DistillConfig":
+        """This config with the KD stop counted in iterations of this global batch."""
+        stop = None if self.kd_stop is None else self.kd_stop.iterations(global_batch_size, seq_length)
+        return replace(self, stop_iteration=stop)
 
     def kd_active(self, iteration: int) -> bool:
         return self.kd and (self.stop_iteration is None or iteration < self.stop_iteration)
@@ -94,7 +100,7 @@ def add_distill_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mlp-type-teacher", choices=MLP_TYPES, default=None)
 
 
-def distill_config_from_args(args: argparse.Namespace, tokens_per_iteration: int) -> DistillConfig | None:
+def distill_config_from_args(args: argparse.Namespace, global_batch_size: int, seq_length: int) -> DistillConfig | None:
     """None when no distillation flag is given; otherwise the checked config."""
     kd = args.kd or args.mos
     stated = {name: getattr(args, f"{name}_teacher") for name in TEACHER_FLAGS}
@@ -112,9 +118,9 @@ def distill_config_from_args(args: argparse.Namespace, tokens_per_iteration: int
         raise ConfigError("--kd-stop-iters/--kd-stop-tokens stop a KD term that is off; add --kd or drop the flag")
     if args.kd_stop_iters is not None and args.kd_stop_tokens is not None:
         raise ConfigError("--kd-stop-iters and --kd-stop-tokens were both given; use only one of them")
-    stop = args.kd_stop_iters
+    stop = None if args.kd_stop_iters is None else Span("iters", args.kd_stop_iters)
     if args.kd_stop_tokens is not None:
-        stop = math.ceil(args.kd_stop_tokens / tokens_per_iteration)
+        stop = Span("tokens", args.kd_stop_tokens)
     if stated["num_experts"] is not None:
         stated["num_experts"] = tuple(stated["num_experts"])
     return DistillConfig(
@@ -123,7 +129,8 @@ def distill_config_from_args(args: argparse.Namespace, tokens_per_iteration: int
         alpha_ce=args.kd_alpha_ce,
         beta_ce=args.kd_beta_ce,
         temperature=args.kd_temp,
-        stop_iteration=stop,
+        kd_stop=stop,
+        stop_iteration=None,
         init_from_teacher=args.mos_init_from_teacher,
         teacher=TeacherExpectation(**stated),
-    )
+    ).for_batch(global_batch_size, seq_length)

@@ -6,9 +6,8 @@ Unknown flags and contradictions stop here, with one sentence, before any work i
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -24,6 +23,7 @@ from megatron.config.parser import (
     probability,
     ranged,
 )
+from megatron.config.spans import Span, SpanUnit
 from megatron.data.gpt_dataset import SPLIT_CUMULATIVE, SPLIT_ROUNDINGS
 from megatron.data.tokenizer import NULL_EOD_CONVENTIONS, NULL_EOD_LAST
 from megatron.errors import ConfigError
@@ -31,6 +31,7 @@ from megatron.model.config import MLP_TYPES, NORMALIZATIONS, POSITION_EMBEDDING_
 from megatron.model.moe import MoEConfig
 from megatron.model.moe.config import DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
 from megatron.model.pipeline_stage import layer_counts
+from megatron.runtime.config.combinations import refuse_contradictions, tied_embedding_refusal
 from megatron.runtime.config.folders import blocking_file
 from megatron.runtime.config.schema import RuntimeConfig, explain, resolve_batch_sizes
 from megatron.runtime.config.schema_types import LOSS_SCALE_RANGE, LOSS_SCALE_WORDS
@@ -60,17 +61,20 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     """What the training loop and the data need. The engine's settings (optimizer, precision, loss
-    scale, clipping, ZeRO) have one home, `PretrainConfig.runtime_config`: the flags reach it
-    through deepspeed_json.FLAG_KEYS, the one table between flags and DeepSpeed's JSON keys."""
+    scale, clipping, ZeRO) have one home, `PretrainConfig.runtime`: the flags reach it through
+    deepspeed_json.FLAG_KEYS, the one table between flags and DeepSpeed's JSON keys."""
 
     seq_length: int
     micro_batch_size: int  # the data's batch shapes; the runtime config checks them against its own
+    # until with_data_parallel_size applies Megatron's default (micro batch x data-parallel size)
+    # where none was given (`default_global_batch`), the micro batch
     global_batch_size: int
-    train_iters: int
+    default_global_batch: bool
+    train_length: Span
     min_lr: float  # Megatron's annealing (the peak is the optimizer's lr)
     lr_decay_style: str
-    lr_warmup_tokens: int  # the LR schedule counts tokens; iteration and sample flags convert
-    lr_decay_tokens: int
+    lr_warmup: Span | None  # None: no warmup
+    lr_decay: Span | None  # None: decay over the whole run
     seed: int
     expert_parallel_size: int
     expert_tensor_parallel_size: int
@@ -81,17 +85,26 @@ class TrainingConfig:
     last_stage_layers: int | None
     check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
     max_consecutive_skipped_iterations: int  # 0: no limit
-    # the --deepspeed_config JSON as written; the flags' values are laid over it (deepspeed_json.py)
-    deepspeed_json: dict[str, Any] | None
+    deepspeed_config: str | None  # the --deepspeed_config file, named in messages
 
     @property
     def tokens_per_iteration(self) -> int:
         return self.global_batch_size * self.seq_length
 
     @property
-    def deepspeed_scheduler(self) -> dict[str, Any] | None:
-        """A DeepSpeed "scheduler" block, which replaces Megatron's LR annealing."""
-        return (self.deepspeed_json or {}).get("scheduler")
+    def train_iters(self) -> int:
+        return self.train_length.iterations(self.global_batch_size, self.seq_length)
+
+    @property
+    def lr_warmup_tokens(self) -> int:
+        """The LR schedule counts tokens; iteration and sample flags convert."""
+        return 0 if self.lr_warmup is None else self.lr_warmup.tokens(self.global_batch_size, self.seq_length)
+
+    @property
+    def lr_decay_tokens(self) -> int:
+        if self.lr_decay is None:
+            return self.train_iters * self.tokens_per_iteration
+        return self.lr_decay.tokens(self.global_batch_size, self.seq_length)
 
 
 @dataclass(frozen=True)
@@ -135,26 +148,35 @@ class PretrainConfig:
     logging: LoggingConfig
     checkpoint: CheckpointConfig
     exit: ExitConfig
-    flags: dict[str, Any]  # the parsed flags as given, saved with every checkpoint
+    # the engine's config: the --deepspeed_config JSON as written with the flags' values laid over
+    # it (deepspeed_json.py), its batch sizes resolved for a data-parallel size by runtime_config
+    runtime: RuntimeConfig
     distill: DistillConfig | None = None  # None: no teacher
     dry_run: bool = False  # size the model on the meta device and stop
 
     def runtime_config(self, dp_size: int) -> RuntimeConfig:
-        """The engine's config for these flags, with batch sizes checked against `dp_size`."""
-        merged = runtime_dict(self.flags, self.training.deepspeed_json)
-        try:
-            config = RuntimeConfig.model_validate(merged)
-        except ValidationError as exc:
-            # the JSON was checked on its own when it was read, so a problem here comes from a flag
-            problem = explain(exc, "the command-line flags", merged)
-            key = flag_for(problem.loc)
-            raise ConfigError(
-                problem.sentence
-                if key is None
-                else f"{key.flag} {self.flags[key.dest]} is out of range "
-                f"(as {key.key} {problem.value!r}: {problem.reason})"
-            ) from None
-        return resolve_batch_sizes(config, dp_size)
+        """The engine's config with its batch sizes checked against `dp_size`."""
+        return resolve_batch_sizes(self.runtime, dp_size)
+
+
+def _runtime_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    merged = runtime_dict(vars(args), args.deepspeed_json)
+    try:
+        runtime = RuntimeConfig.model_validate(merged)
+    except ValidationError as exc:
+        # the JSON was checked on its own when it was read, so a problem here comes from a flag
+        problem = explain(exc, "the command-line flags", merged)
+        key = flag_for(problem.loc)
+        raise ConfigError(
+            problem.sentence
+            if key is None
+            else f"{key.flag} {getattr(args, key.dest)} is out of range (as {key.key} {problem.value!r}: {problem.reason})"
+        ) from None
+    refuse_contradictions(runtime)
+    tied_refusal = tied_embedding_refusal(runtime.zero_optimization.stage)
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights and tied_refusal:
+        raise ConfigError(tied_refusal)
+    return runtime
 
 
 # the ranges of the ds_config's fp16 keys that these flags set; DeepSpeed keeps the initial scale as
@@ -578,13 +600,19 @@ def _one_of(args: argparse.Namespace, names: list[str], required: bool) -> str |
     return given[0] if given else None
 
 
-def _tokens(args: argparse.Namespace, kind: str, seq: int, gbs: int, default_tokens: int) -> int:
-    """A warmup or decay length given in iterations, samples or tokens, as tokens."""
-    which = _one_of(args, [f"lr_{kind}_iters", f"lr_{kind}_samples", f"lr_{kind}_tokens"], required=False)
-    if which is None:
-        return default_tokens
-    value = getattr(args, which)
-    return value * gbs * seq if which.endswith("iters") else value * seq if which.endswith("samples") else value
+def _span(args: argparse.Namespace, kind: str, required: bool = False) -> Span | None:
+    """The length --KIND-iters, --KIND-samples or --KIND-tokens gives (at most one of them)."""
+    units: dict[str, SpanUnit] = {f"{kind}_iters": "iters", f"{kind}_samples": "samples", f"{kind}_tokens": "tokens"}
+    which = _one_of(args, list(units), required=required)
+    return None if which is None else Span(units[which], getattr(args, which))
+
+
+def _check_lr_spans(training: TrainingConfig) -> None:
+    if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
+        raise ConfigError(
+            f"the LR warmup ({training.lr_warmup_tokens} tokens) is not shorter than its decay "
+            f"({training.lr_decay_tokens} tokens); shorten --lr-warmup-* or lengthen --lr-decay-* or the training"
+        )
 
 
 def _num_query_groups(args: argparse.Namespace) -> int | None:
@@ -700,11 +728,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         )
     if args.data_path and args.train_data_path:
         raise ConfigError("--data-path and --train-data-path were both given; use one of them for training data")
-    seq = args.seq_length
-    gbs = args.global_batch_size or args.micro_batch_size  # the data-parallel default is applied at start-up
-    length_flag = _one_of(args, ["train_iters", "train_samples", "train_tokens"], required=True)
-    per_iter = {"train_iters": 1, "train_samples": gbs, "train_tokens": gbs * seq}[length_flag]
-    train_iters = math.ceil(getattr(args, length_flag) / per_iter)
+    train_length = _span(args, "train", required=True)
+    assert train_length is not None
     model = model_config_from_args(args)
     data = DataConfig(
         data_path=tuple(args.data_path) if args.data_path else None,
@@ -725,14 +750,15 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         data_checksum=args.data_checksum,
     )
     training = TrainingConfig(
-        seq_length=seq,
+        seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
-        global_batch_size=gbs,
-        train_iters=train_iters,
+        global_batch_size=args.global_batch_size or args.micro_batch_size,
+        default_global_batch=args.global_batch_size is None,
+        train_length=train_length,
         min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style,
-        lr_warmup_tokens=_tokens(args, "warmup", seq, gbs, 0),
-        lr_decay_tokens=_tokens(args, "decay", seq, gbs, train_iters * gbs * seq),
+        lr_warmup=_span(args, "lr_warmup"),
+        lr_decay=_span(args, "lr_decay"),
         seed=args.seed,
         expert_parallel_size=args.moe_expert_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
@@ -743,13 +769,9 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         last_stage_layers=args.decoder_last_pipeline_num_layers,
         check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
-        deepspeed_json=args.deepspeed_json,
+        deepspeed_config=args.deepspeed_config,
     )
-    if training.lr_decay_style != "constant" and training.lr_decay_tokens <= training.lr_warmup_tokens:
-        raise ConfigError(
-            f"the LR warmup ({training.lr_warmup_tokens} tokens) is not shorter than its decay "
-            f"({training.lr_decay_tokens} tokens); shorten --lr-warmup-* or lengthen --lr-decay-* or the training"
-        )
+    _check_lr_spans(training)
     logging = LoggingConfig(
         log_interval=args.log_interval,
         eval_interval=args.eval_interval,
@@ -783,9 +805,10 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         interval=args.exit_interval,
         duration_minutes=args.exit_duration_in_mins,
     )
-    distill = distill_config_from_args(args, training.tokens_per_iteration)
+    distill = distill_config_from_args(args, training.global_batch_size, training.seq_length)
+    runtime = _runtime_from_args(args)
     return PretrainConfig(
-        model, data, training, logging, checkpoint, exit_config, flags=vars(args), distill=distill, dry_run=args.dry_run
+        model, data, training, logging, checkpoint, exit_config, runtime, distill=distill, dry_run=args.dry_run
     )
 
 
@@ -813,9 +836,11 @@ def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainCon
             f"{uneven[0]} experts cannot be split over --moe-expert-parallel-size {ep}; "
             "choose an expert-parallel size that divides every layer's expert count"
         )
-    if config.flags["global_batch_size"] is None and dp_size > 1:
-        flags = {**config.flags, "global_batch_size": config.training.micro_batch_size * dp_size}
-        config = config_from_args(argparse.Namespace(**flags))
+    if config.training.default_global_batch and dp_size > 1:
+        training = replace(config.training, global_batch_size=config.training.micro_batch_size * dp_size)
+        _check_lr_spans(training)
+        distill = config.distill and config.distill.for_batch(training.global_batch_size, training.seq_length)
+        config = replace(config, training=training, distill=distill)
     t = config.training
     if t.global_batch_size % (t.micro_batch_size * dp_size):
         raise ConfigError(
@@ -823,10 +848,10 @@ def with_data_parallel_size(config: PretrainConfig, dp_size: int) -> PretrainCon
             f"{t.micro_batch_size} x data-parallel size {dp_size}; change one of them"
         )
     accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
-    json_accumulation = (t.deepspeed_json or {}).get("gradient_accumulation_steps")
+    json_accumulation = config.runtime.gradient_accumulation_steps  # only the JSON sets it
     if json_accumulation is not None and json_accumulation != accumulation:
         raise ConfigError(
-            f"gradient_accumulation_steps {json_accumulation} in {config.flags['deepspeed_config']} disagrees "
+            f"gradient_accumulation_steps {json_accumulation} in {t.deepspeed_config} disagrees "
             f"with global batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x {dp_size} ranks) "
             f"= {accumulation}; fix one of them"
         )

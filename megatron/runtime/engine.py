@@ -27,6 +27,7 @@ from megatron.errors import ConfigError
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
 from megatron.placement import pipeline_shared, placement_of
 from megatron.runtime import engine_checkpoint
+from megatron.runtime.config.combinations import refuse_contradictions
 from megatron.runtime.config.deepspeed_keys import no_effect_notes
 from megatron.runtime.config.schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.engine_checks import check_engine_inputs, check_pipeline_sharing
@@ -235,7 +236,9 @@ def initialize(
 ) -> Engine:
     """DeepSpeed-style entry point: validate the config and wrap the model in an engine. Without an
     optimizer, the config's is built over `model_parameters` (default: the model's)."""
-    if not isinstance(config, RuntimeConfig):
+    if isinstance(config, RuntimeConfig):
+        refuse_contradictions(config)  # a config read from a dict or file was checked as it was read
+    else:
         config = load_runtime_config(config, parallel.dp_size)
     if optimizer is not None and model_parameters is not None:
         raise ConfigError("give initialize() an optimizer or model_parameters to build one from, not both")

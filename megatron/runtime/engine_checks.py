@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from megatron.errors import ConfigError
+from megatron.runtime.config.combinations import tied_embedding_refusal
 from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.optim.cpu_adam import CPUAdam
 
@@ -40,9 +41,6 @@ def check_engine_inputs(
 def check_pipeline_sharing(config: RuntimeConfig, pipeline_shared: list[torch.nn.Parameter]) -> None:
     """A parameter shared by the first and last pipeline stages (the tied word embedding) has its
     gradient summed over them at the step, which ZeRO stages 2 and 3 would already have reduced."""
-    if pipeline_shared and config.zero_optimization.stage > 1:
-        raise ConfigError(
-            f"ZeRO stage {config.zero_optimization.stage} reduces gradients during backward, before the tied word "
-            "embedding's gradient can be summed over the first and last pipeline stages; use --zero-stage 0 or 1, "
-            "or --untie-embeddings-and-output-weights"
-        )
+    refusal = tied_embedding_refusal(config.zero_optimization.stage)
+    if pipeline_shared and refusal:
+        raise ConfigError(refusal)

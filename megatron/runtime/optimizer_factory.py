@@ -43,12 +43,7 @@ def build_optimizer(
             {"params": [p for p in trainable if not is_matrix[p]], "weight_decay": 0.0},
         ]
     groups = [g for g in groups if g["params"]]
-    kind = config.optimizer.type
-    if kind == "Lamb" and config.zero_optimization.stage:
-        raise ConfigError(
-            "optimizer Lamb needs whole tensors for its per-tensor trust ratio, but ZeRO hands the optimizer "
-            "flat shards; use Adam/AdamW with ZeRO, or zero_optimization.stage 0 with Lamb"
-        )
+    kind = config.optimizer.type  # its combinations with the rest were refused when it was read
     offload = config.zero_optimization.offload_optimizer
     try:
         if kind == "Lamb":
@@ -63,11 +58,7 @@ def build_optimizer(
             if offload.device == "cpu":
                 return CPUAdam(groups, **adam)
             return SwappedAdam(groups, offload, config.aio, config.zero_optimization.sub_group_size, rank, **adam)
-        if not params.pop("bias_correction", True):
-            raise ConfigError(
-                "optimizer.params.bias_correction false is implemented by the offloaded CPU Adam and "
-                "by Lamb only; drop it, or set zero_optimization.offload_optimizer"
-            )
+        params.pop("bias_correction", None)  # true: what torch's Adam does
         optimizer_class = torch.optim.AdamW if kind == "AdamW" or adam_w_mode else torch.optim.Adam
         return optimizer_class(groups, fused=True, **params)
     except (TypeError, NotImplementedError) as error:

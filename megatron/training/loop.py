@@ -142,7 +142,7 @@ class Trainer:
         optimizer = build_optimizer(model, runtime, rank=grid.rank)
         scheduler = (
             None
-            if t.deepspeed_scheduler
+            if runtime.scheduler is not None
             else AnnealingLR(  # else the engine builds the config's
                 optimizer,
                 max_lr=runtime.optimizer.params.lr,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, ValidationError
 
 from megatron.errors import ConfigError
+from megatron.runtime.config.combinations import refuse_contradictions
 from megatron.runtime.config.config_file import read_config_source
 from megatron.runtime.config.deepspeed_keys import (
     ActivationCheckpointingConfig,
@@ -388,6 +389,7 @@ def validate_runtime_config(config: dict[str, Any], source: str = "the runtime c
     except ValidationError as exc:
         raise ConfigError(explain(exc, source, config).sentence) from None
     refuse_unbuilt(validated, source)
+    refuse_contradictions(validated)
     return validated
 
 

@@ -1,0 +1,37 @@
+"""Settings that are each valid but not together, refused when the config is read (so that
+`pretrain_gpt.py --dry-run` reports them) rather than when the engine builds its optimizer."""
+
+from typing import TYPE_CHECKING
+
+from megatron.errors import ConfigError
+
+if TYPE_CHECKING:  # schema.py calls this module when it validates a config
+    from megatron.runtime.config.schema import RuntimeConfig
+
+
+def refuse_contradictions(config: "RuntimeConfig") -> None:
+    kind = config.optimizer.type
+    if kind == "Lamb" and config.zero_optimization.stage:
+        raise ConfigError(
+            "optimizer Lamb needs whole tensors for its per-tensor trust ratio, but ZeRO hands the optimizer "
+            "flat shards; use Adam/AdamW with ZeRO, or zero_optimization.stage 0 with Lamb"
+        )
+    offloaded = config.zero_optimization.offload_optimizer.device != "none"
+    if kind != "Lamb" and not offloaded and not config.optimizer.params.given().get("bias_correction", True):
+        raise ConfigError(
+            "optimizer.params.bias_correction false is implemented by the offloaded CPU Adam and "
+            "by Lamb only; drop it, or set zero_optimization.offload_optimizer"
+        )
+
+
+def tied_embedding_refusal(zero_stage: int) -> str | None:
+    """Why a word embedding tied across the first and last pipeline stages cannot train under this
+    ZeRO stage (its gradient is summed over the two stages at the step, which stages 2 and 3 would
+    already have reduced), or None where it can."""
+    if zero_stage <= 1:
+        return None
+    return (
+        f"ZeRO stage {zero_stage} reduces gradients during backward, before the tied word "
+        "embedding's gradient can be summed over the first and last pipeline stages; use --zero-stage 0 or 1, "
+        "or --untie-embeddings-and-output-weights"
+    )
