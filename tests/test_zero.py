@@ -182,27 +182,33 @@ def single_process(moe: bool, load: str | None = None, stage: int = 0) -> dict[s
     return parameters(engine, "single")
 
 
+@pytest.fixture(scope="module")
+def one_process() -> dict[bool, dict[str, torch.Tensor]]:
+    """The single-process reference run, dense and MoE."""
+    return {moe: single_process(moe) for moe in (False, True)}
+
+
+@pytest.mark.parametrize("stage", PARTITIONED)
 @pytest.mark.parametrize("moe, ep", [(False, 1), (True, 1), (True, 2)])
-def test_stages_1_to_3_equal_stage_0_and_one_process(two_ranks, moe, ep):
+def test_stages_1_to_3_equal_stage_0_and_one_process(two_ranks, one_process, moe, ep, stage):
     results, _ = two_ranks
-    single = single_process(moe)
+    single = one_process[moe]
+    label = f"moe{moe:d}-ep{ep}-stage{stage}"
     for rank, result in enumerate(results):
-        for stage in PARTITIONED:
-            label = f"moe{moe:d}-ep{ep}-stage{stage}"
-            keys = [k for k in result if k.startswith(label + "/")]
-            assert keys
-            for key in keys:
-                name = key.split("/", 1)[1]
-                torch.testing.assert_close(
-                    result[key],
-                    result[f"moe{moe:d}-ep{ep}-stage0/{name}"],
-                    rtol=1e-5,
-                    atol=1e-6,
-                    msg=f"rank {rank} {key} vs stage 0",
-                )
-                torch.testing.assert_close(
-                    result[key], single[f"single/{name}"], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {key} vs one process"
-                )
+        keys = [k for k in result if k.startswith(label + "/")]
+        assert keys
+        for key in keys:
+            name = key.split("/", 1)[1]
+            torch.testing.assert_close(
+                result[key],
+                result[f"moe{moe:d}-ep{ep}-stage0/{name}"],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"rank {rank} {key} vs stage 0",
+            )
+            torch.testing.assert_close(
+                result[key], single[f"single/{name}"], rtol=1e-4, atol=1e-5, msg=f"rank {rank} {key} vs one process"
+            )
 
 
 def test_optimizer_state_per_rank_is_about_half(two_ranks):
