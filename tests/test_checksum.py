@@ -32,11 +32,11 @@ def test_zeroed_swapped_and_cut_blocks_change_it(data):
     assert bytes_checksum(data[:-1]) != original and bytes_checksum(data + b"\0") == original  # the size tells these
 
 
-def test_a_file_read_in_chunks_has_the_checksum_of_its_bytes(data, tmp_path, monkeypatch):
+def test_a_file_read_in_chunks_has_the_checksum_of_its_bytes(data, tmp_path):
     path = tmp_path / "file"
     path.write_bytes(data)
-    monkeypatch.setattr(checksum_module, "_CHUNK_BYTES", 4096)  # four chunks, the last one short
-    assert file_checksum(path) == (len(data), bytes_checksum(data))
+    assert file_checksum(path, chunk_bytes=4096) == (len(data), bytes_checksum(data))  # the last chunk short
+    assert file_checksum(path) == (len(data), bytes_checksum(data))  # one chunk
 
 
 def test_pieces_of_any_length_give_the_checksum_of_their_concatenation(data):

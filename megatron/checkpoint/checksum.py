@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 BLOCK_BYTES = 4096
-_CHUNK_BYTES = 64 << 20  # a multiple of the block, so chunks never split one
+CHUNK_BYTES = 64 << 20  # a multiple of the block, so chunks never split one
 _MASK = (1 << 64) - 1
 
 
@@ -75,10 +75,10 @@ def bytes_checksum(data: bytes) -> str:
     return block_sum.hexdigest()
 
 
-def file_checksum(path: Path) -> tuple[int, str]:
+def file_checksum(path: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]:
     """Size and checksum of a file, read in chunks into one reused buffer."""
     block_sum, size = BlockSum(), 0
-    buffer = np.empty(_CHUNK_BYTES, dtype=np.uint8)
+    buffer = np.empty(chunk_bytes, dtype=np.uint8)
     with open(path, "rb", buffering=0) as handle:
         while count := handle.readinto(memoryview(buffer)):
             block_sum.update(buffer[:count])
