@@ -5,8 +5,8 @@ buffers); both resume from a checkpoint taken while swapping; and fail with clea
 
 import gc
 import json
-import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -233,7 +233,7 @@ def test_offload_errors_are_clear(tmp_path, monkeypatch):
             {"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
             single_process_grid(torch.device("cpu")),
         )
-    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
+    monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12 - 100, free=100))
     with pytest.raises(ConfigError, match=r"needs [\d,]+ bytes .* has 100 free"):
         single_engine(tmp_path)
 
@@ -309,7 +309,7 @@ def test_parameter_offload_errors_are_clear(tmp_path, monkeypatch):
         ConfigError, match="offload_param.buffer_size 100 is smaller than a parameter piece .* at least 3,072"
     ):
         swapping_engine(tmp_path, buffer_size=100)
-    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
+    monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12 - 100, free=100))
     with pytest.raises(ConfigError, match=r"needs [\d,]+ bytes for this rank's parameter partitions .* has 100 free"):
         swapping_engine(tmp_path)
 
