@@ -16,6 +16,8 @@ from megatron.data.tokenizer import (
     padded_vocab_size,
 )
 from megatron.errors import ConfigError, DataError
+from megatron.inference.checkpoint_model import with_moved_files
+from megatron.tokenizer_spec import TokenizerSpec
 
 WORDS = [
     "the",
@@ -192,3 +194,10 @@ def test_padded_vocab_size():
 def test_build_tokenizer_names_the_missing_flag(kwargs, error, flag):
     with pytest.raises(error, match=flag):
         build_tokenizer(**kwargs)
+
+
+def test_moved_tokenizer_files_replace_only_the_paths_given():
+    saved = TokenizerSpec("GPT2BPETokenizer", vocab_file="/old/vocab.json", merge_file="/old/merges.txt")
+    moved = with_moved_files(saved, {"vocab_file": "/new/vocab.json", "merge_file": None, "tokenizer_model": None})
+    assert moved == TokenizerSpec("GPT2BPETokenizer", vocab_file="/new/vocab.json", merge_file="/old/merges.txt")
+    assert with_moved_files(saved, None) == saved

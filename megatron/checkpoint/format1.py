@@ -36,6 +36,8 @@ MANIFEST_MARK = "manifest_format"
 MANIFEST_WRITER_KEYS = (MANIFEST_MARK, "tensor_parallel_splits", "weights_only")
 # what the training loop (and the importer) kept in the client state; the rest is the caller's
 LOOP_KEYS = ("iteration", "consumed_samples", "model_config", "flags", "log_window", "converted_from")
+# what every format-1 engine.json holds of the engine's state (a folder lacking one is damaged)
+ENGINE_KEYS = ("global_steps", "micro_steps", "skipped_steps", "optimizer_groups", "lr_scheduler", "loss_scaler")
 
 
 class RunRecordV1(StrictRecord):
@@ -126,8 +128,7 @@ def upgraded(folder: Path, v1: ManifestV1 | None) -> Manifest:
         client = meta.get("client_state") or {}
         run = _run(client, v1.run if v1 else None)
         engine = {
-            **{key: meta[key] for key in ("global_steps", "micro_steps", "skipped_steps", "optimizer_groups")},
-            **{key: meta[key] for key in ("lr_scheduler", "loss_scaler")},
+            **{key: meta[key] for key in ENGINE_KEYS},
             "tensor_parallel_splits": meta.get("tensor_parallel_splits") or {},
             "weights_only": meta.get("weights_only", False),
             "client_state": {key: value for key, value in client.items() if run is None or key not in LOOP_KEYS},

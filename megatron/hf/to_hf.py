@@ -19,7 +19,7 @@ import torch
 from megatron.checkpoint.layout import MODEL, rank_files
 from megatron.checkpoint.reader import saved_run
 from megatron.checkpoint.tensors import pack_by_size
-from megatron.data.tokenizer import Tokenizer
+from megatron.data.tokenizer import Tokenizer, tokenizer_of
 from megatron.errors import CheckpointError
 from megatron.hf.architectures import choose_spec, hf_config
 from megatron.hf.link_runner import LinkRunner, plan
@@ -29,7 +29,7 @@ from megatron.hf.safetensors_io import INDEX_FILE, Planned, TensorIndex, write_f
 from megatron.hf.tensor_maps import model_links
 from megatron.hf.tokenizer_check import compare, probe_texts, training_texts
 from megatron.hf.tokenizer_files import export_tokenizer, exported_tokenizer_bytes
-from megatron.inference.checkpoint_model import TOKENIZER_FILE_FLAGS, tokenizer_from_spec
+from megatron.inference.checkpoint_model import TOKENIZER_FILE_FLAGS, with_moved_files
 from megatron.inference.mode import inference_config
 from megatron.parallel import single_process_grid
 
@@ -64,9 +64,9 @@ def export_to_hf(
     folder = saved.folder
     config = inference_config(saved.run.model)  # dropless, as ours infers
     spec = choose_spec(config, str(folder))
-    recorded, overrides = saved.run.tokenizer, tokenizer_overrides or {}
-    tokenizer = tokenizer_from_spec(recorded, overrides)
-    files = {name: overrides.get(name) or getattr(recorded, name) for name in TOKENIZER_FILE_FLAGS}
+    recorded = with_moved_files(saved.run.tokenizer, tokenizer_overrides)
+    tokenizer = tokenizer_of(recorded)
+    files = {name: getattr(recorded, name) for name in TOKENIZER_FILE_FLAGS}
     with TensorIndex(rank_files(folder, MODEL)) as index:
         check_entries(
             index.info,

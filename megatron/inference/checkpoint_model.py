@@ -27,10 +27,15 @@ class LoadedModel:
     folder: Path
 
 
+def with_moved_files(spec: TokenizerSpec, overrides: dict[str, str | None] | None) -> TokenizerSpec:
+    """The training run's tokenizer spec with the file paths in `overrides` that moved since training."""
+    moved = {name: path for name, path in (overrides or {}).items() if name in TOKENIZER_FILE_FLAGS and path}
+    return replace(spec, **moved)
+
+
 def tokenizer_from_spec(spec: TokenizerSpec, overrides: dict[str, str | None] | None = None) -> Tokenizer:
     """The training run's tokenizer; `overrides` replace file paths that moved since training."""
-    moved = {name: path for name, path in (overrides or {}).items() if name in TOKENIZER_FILE_FLAGS and path}
-    return tokenizer_of(replace(spec, **moved))
+    return tokenizer_of(with_moved_files(spec, overrides))
 
 
 def load_model(
