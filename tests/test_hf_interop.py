@@ -16,10 +16,12 @@ from safetensors.torch import save_file
 
 from megatron.cli import train_tokenizer
 from megatron.cli.convert_checkpoint import main
-from megatron.config.flags import parse_args, with_data_parallel_size
+from megatron.config.flags import build_parser, model_config_from_args, parse_args, with_data_parallel_size
+from megatron.config.model_flags import model_flags
 from megatron.data.tokenizer import _bytes_to_unicode
 from megatron.errors import CheckpointError, ConfigError
-from megatron.hf.architectures import choose_spec, flags_from_hf
+from megatron.hf.architectures import choose_spec
+from megatron.hf.config_import import config_from_hf
 from megatron.hf.from_hf import import_from_hf, vocab_divisor, weight_files
 from megatron.hf.safetensors_io import parse_size
 from megatron.hf.to_hf import export_to_hf
@@ -632,7 +634,16 @@ def test_a_refused_export_writes_nothing_and_says_why(corpus, tmp_path, capsys):
 )
 def test_a_hf_model_ours_cannot_compute_is_refused(config, message):
     with pytest.raises(CheckpointError, match=message):
-        flags_from_hf(config(), "HFDIR")
+        config_from_hf(config(), "HFDIR")
+
+
+@pytest.mark.parametrize("name", THEIRS)
+def test_the_printed_flags_build_the_config_the_import_built(name):
+    """The flags an import prints for continued training parse back to the model it wrote."""
+    _, config = config_from_hf(THEIRS[name](), "HFDIR")
+    flags = model_flags(config)
+    args = build_parser(sizing=True).parse_args(flags + ["--seq-length", str(config.max_position_embeddings)])
+    assert model_config_from_args(args) == config, flags
 
 
 def test_import_refusals_before_anything_is_written(tmp_path, exported):

@@ -1,16 +1,16 @@
-"""Import: a Hugging Face folder (config.json and safetensors weights, as save_pretrained writes
-them) -> a weights-only checkpoint of ours to continue pretraining from (our_checkpoint.py says
-how to load it), converted one tensor at a time.
+"""Import: a Hugging Face folder (config.json and safetensors weights, as save_pretrained writes them)
+-> a weights-only checkpoint of ours to continue pretraining from (our_checkpoint.py says how to
+load it), converted one tensor at a time.
 
-The model flags are worked out from config.json and parsed as pretrain_gpt.py parses them; the
-same flags (printed at the end, and saved in the checkpoint) then build the same model for
-training. The vocabulary keeps the checkpoint's rows: --make-vocab-size-divisible-by is chosen so
-that our padding of the tokenizer's vocabulary gives exactly that many (the largest power of two
-up to 128 that does, else the row count itself). Tensors keep their dtype unless --dtype says
-otherwise (our training keeps fp32 weights and reads any dtype), so hf -> ours -> hf is
-bit-identical. Before anything is written every tensor is checked there and of the shape
-config.json calls for (source_shapes.py), and the disk for room; --save is then written as
-new_folder.py says (all of it or nothing), a NaN or an infinity in a weight refused.
+The model config is built from config.json (config_import.py), and the flags printed at the end
+(and saved in the checkpoint as its command line) are printed from it (config/model_flags.py), so
+that they build the same model for training. The vocabulary keeps the checkpoint's rows:
+--make-vocab-size-divisible-by is chosen so that our padding of the tokenizer's vocabulary gives exactly
+that many (the largest power of two up to 128 that does, else the row count itself). Tensors keep
+their dtype unless --dtype says otherwise (our training keeps fp32 weights and reads any dtype), so
+hf -> ours -> hf is bit-identical. Before anything is written every tensor is checked there and of
+the shape config.json calls for (source_shapes.py), and the disk for room; --save is then written
+as new_folder.py says (all of it or nothing), a NaN or an infinity in a weight refused.
 """
 
 import json
@@ -25,10 +25,11 @@ import torch
 
 from megatron.checkpoint.layout import iteration_tag
 from megatron.checkpoint.manifest import RunRecord
-from megatron.config.flags import build_parser, model_config_from_args
+from megatron.config.model_flags import model_flags, tokenizer_flags
 from megatron.data.tokenizer import padded_vocab_size
 from megatron.errors import CheckpointError, ConfigError
-from megatron.hf.architectures import Spec, choose_spec, flags_from_hf, moe_layout
+from megatron.hf.architectures import Spec, choose_spec
+from megatron.hf.config_import import config_from_hf, moe_layout
 from megatron.hf.link_runner import LinkRunner, plan
 from megatron.hf.new_folder import FILE_ALLOWANCE, new_folder, refuse_existing_target
 from megatron.hf.our_checkpoint import checkpoint_bytes, expected_entries, write_weights_checkpoint
@@ -39,7 +40,6 @@ from megatron.hf.tensor_maps import Link, model_links
 from megatron.hf.tokenizer_files import ImportedTokenizer, copy_tokenizer_files, import_tokenizer
 from megatron.inference.mode import inference_config
 from megatron.model import GPTConfig
-from megatron.tokenizer_spec import TokenizerSpec, tokenizer_spec_of
 
 Log = Callable[[str], None]
 TOKENIZER_FOLDER = "tokenizer"  # in --save: the copies of the tokenizer files
@@ -103,20 +103,8 @@ def read_hf_config(hf_dir: Path) -> Any:
         ) from None
 
 
-def parse_model_flags(flags: list[str], vocab_size: int, hf_dir: Path) -> tuple[GPTConfig, TokenizerSpec]:
-    """Our model from `flags`, exactly as pretrain_gpt.py would build it, and their tokenizer."""
-    positions = flags[flags.index("--max-position-embeddings") + 1]
-    try:
-        args = build_parser(sizing=True).parse_args(flags + ["--seq-length", positions])
-        return replace(model_config_from_args(args), vocab_size=vocab_size), tokenizer_spec_of(args)
-    except ConfigError as error:
-        raise CheckpointError(
-            f"{hf_dir} was not imported: its config becomes flags this toolkit refuses ({error})"
-        ) from None
-
-
 def check_same_model(config: GPTConfig, spec: Spec, hf: Any, hf_dir: Path) -> None:
-    """The parsed model must export back to the same class, router and layer layout."""
+    """The model built must export back to the same class, router and layer layout."""
     try:
         chosen = choose_spec(inference_config(config), str(hf_dir))
         problem = None if chosen is spec else f"it would export as {chosen.name}"
@@ -169,9 +157,9 @@ def import_from_hf(
     source, target = Path(hf_dir), Path(save)
     refuse_existing_target(target)
     hf = read_hf_config(source)
-    spec, model_flags = flags_from_hf(hf, str(source))
+    spec, model = config_from_hf(hf, str(source))
     with TensorIndex(weight_files(source)) as index:
-        conversion = plan_import(source, target, hf, spec, model_flags, index, ep_size, dtype)
+        conversion = plan_import(source, target, hf, spec, model, index, ep_size, dtype)
         tokenizer = conversion.tokenizer
         needed = checkpoint_bytes(conversion.planned) + tokenizer.nbytes + FILE_ALLOWANCE * len(tokenizer.files)
         refusal = (
@@ -196,13 +184,13 @@ def plan_import(
     target: Path,
     hf: Any,
     spec: Spec,
-    model_flags: list[str],
+    model: GPTConfig,
     index: TensorIndex,
     ep_size: int,
     dtype: torch.dtype | None,
 ) -> Conversion:
     """Everything the import of `source` into `target` writes, checked: the tokenizer, the model
-    flags, every tensor there and of the shape config.json calls for. Nothing is written."""
+    `config_from_hf` built, every tensor there and of the shape config.json calls for. Nothing is written."""
     rows = hf.vocab_size
     tokenizer = import_tokenizer(source, target / TOKENIZER_FOLDER, rows)
     ours = tokenizer.tokenizer
@@ -211,12 +199,14 @@ def plan_import(
             f"{source}'s tokenizer has {ours.vocab_size} ids but its model only {rows} embedding rows; "
             "give the folder of a model and the tokenizer it was trained with"
         )
+    config = replace(model, vocab_size=rows)
     flags = (
-        model_flags + tokenizer.flags + ["--make-vocab-size-divisible-by", str(vocab_divisor(ours.vocab_size, rows))]
+        model_flags(config)
+        + tokenizer_flags(tokenizer.spec)
+        + ["--make-vocab-size-divisible-by", str(vocab_divisor(ours.vocab_size, rows))]
     )
     if ep_size > 1:
         flags += ["--moe-expert-parallel-size", str(ep_size)]
-    config, tokenizer_spec = parse_model_flags(flags, rows, source)
     check_same_model(config, spec, hf, source)
     uneven = sorted({count for count in config.experts_per_layer if count > 1 and count % ep_size})
     if uneven:
@@ -247,7 +237,7 @@ def plan_import(
         consumed_samples=0,
         consumed_tokens=0,
         model=config,
-        tokenizer=tokenizer_spec,
+        tokenizer=tokenizer.spec,
         tokenizer_size=ours.vocab_size,
         converted_from=str(source.resolve()),
         command_line=shlex.join(flags),

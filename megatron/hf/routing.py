@@ -1,5 +1,5 @@
 """What a router computes at inference (eval mode, dropless), in the terms Hugging Face's MoE
-classes are configured by, and back to this toolkit's routing flags. One place reads the routing
+classes are configured by, and back to this toolkit's MoE config. One place reads the routing
 fields of `MoEConfig`; model/moe/scoring.py says which Hugging Face router each option equals.
 
 Our routers: DeepSpeed's gating (no --moe-router-* option) is a softmax over the experts, the
@@ -49,28 +49,30 @@ def routing_of(moe: MoEConfig) -> Routing:
     return Routing(moe.topk, moe.score_function, normalized, scaling, moe.router_enable_expert_bias, *groups)
 
 
-def routing_flags(routing: Routing) -> list[str]:
-    """Our flags for a Hugging Face router; `unsupported_routing` has said it has an equivalent."""
-    flags = ["--moe-router-topk", str(routing.topk)]
+def dropless_moe(routing: Routing, aux_loss_coeff: float) -> MoEConfig:
+    """Our dropless MoE config with the router of a Hugging Face one (`unsupported_routing` has said
+    it has an equivalent); `routing_of` of it gives `routing` back."""
     if routing.score == "softmax":
         # Megatron-Core's softmax rather than DeepSpeed's gating: the same gates, and in training
         # no Gumbel-sampled second expert or random token selection, as these models were trained
-        return flags + (
-            ["--moe-router-pre-softmax"] if not routing.normalized else ["--moe-router-score-function", "softmax"]
+        return MoEConfig(
+            topk=routing.topk,
+            drop_tokens=False,
+            aux_loss_coeff=aux_loss_coeff,
+            router_score_function=None if not routing.normalized else "softmax",
+            router_pre_softmax=not routing.normalized,
         )
-    flags += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
-    if not routing.normalized:
-        flags.append("--disable-moe-router-norm-topk-prob")
-    if routing.scaling != 1.0:
-        flags += ["--moe-router-topk-scaling-factor", repr(routing.scaling)]
-    if routing.group_limited:
-        flags += [
-            "--moe-router-num-groups",
-            str(routing.num_groups),
-            "--moe-router-group-topk",
-            str(routing.group_topk),
-        ]
-    return flags
+    return MoEConfig(
+        topk=routing.topk,
+        drop_tokens=False,
+        aux_loss_coeff=aux_loss_coeff,
+        router_score_function="sigmoid",
+        router_enable_expert_bias=True,
+        router_norm_topk_prob=routing.normalized,
+        router_topk_scaling_factor=routing.scaling if routing.scaling != 1.0 else None,
+        router_num_groups=routing.num_groups if routing.group_limited else None,
+        router_group_topk=routing.group_topk if routing.group_limited else None,
+    )
 
 
 def unsupported_routing(routing: Routing) -> str | None:

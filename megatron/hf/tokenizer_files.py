@@ -26,6 +26,7 @@ from typing import Any
 from megatron.data.tokenizer import GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer, Tokenizer
 from megatron.errors import CheckpointError, DataError
 from megatron.hf.tokenizer_check import compare, probe_texts, require_transformers
+from megatron.tokenizer_spec import TokenizerSpec
 
 GPT2_END = "<|endoftext|>"
 # Unicode's noncharacters, reserved for a program's internal use (render_unknown_as_sentencepiece)
@@ -156,7 +157,7 @@ def null_tokenizer_size(hf_dir: Path) -> int | None:
 
 @dataclass(frozen=True)
 class ImportedTokenizer:
-    flags: list[str]  # ours, for pretrain_gpt.py, naming the copies of `files` in the destination
+    spec: TokenizerSpec  # ours, naming the copies of `files` in the destination
     tokenizer: Tokenizer
     note: str | None  # what the user should know (no equivalent, or a difference)
     files: tuple[Path, ...] = ()  # of the Hugging Face folder, for copy_tokenizer_files
@@ -167,7 +168,7 @@ class ImportedTokenizer:
 
 
 def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedTokenizer:
-    """Our tokenizer for the Hugging Face folder `hf_dir`, read from its files; its flags name
+    """Our tokenizer for the Hugging Face folder `hf_dir`, read from its files; its spec names
     their copies in `dest`, which copy_tokenizer_files makes (nothing is written here)."""
 
     def copy_of(name: str) -> str:
@@ -177,36 +178,29 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
     try:
         if (hf_dir / "tokenizer.model").is_file():
             imported = (
-                ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", copy_of("tokenizer.model")],
+                TokenizerSpec("SentencePieceTokenizer", tokenizer_model=copy_of("tokenizer.model")),
                 SentencePieceTokenizer(str(hf_dir / "tokenizer.model")),
                 (hf_dir / "tokenizer.model",),
             )
         elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
             imported = (
-                [
-                    "--tokenizer-type",
-                    "GPT2BPETokenizer",
-                    "--vocab-file",
-                    copy_of("vocab.json"),
-                    "--merge-file",
-                    copy_of("merges.txt"),
-                ],
+                TokenizerSpec("GPT2BPETokenizer", vocab_file=copy_of("vocab.json"), merge_file=copy_of("merges.txt")),
                 GPT2BPETokenizer(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")),
                 (hf_dir / "vocab.json", hf_dir / "merges.txt"),
             )
         elif (ids := null_tokenizer_size(hf_dir)) is not None:
-            imported = (["--tokenizer-type", "NullTokenizer", "--vocab-size", str(ids)], NullTokenizer(ids), ())
+            imported = (TokenizerSpec("NullTokenizer", vocab_size=ids), NullTokenizer(ids), ())
     except DataError as error:
         problem = f"its tokenizer files are not ones this toolkit reads ({error})"
     if imported is None:
         problem = problem or "it has no tokenizer.model (SentencePiece) nor vocab.json and merges.txt (GPT-2 BPE)"
         return ImportedTokenizer(
-            ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model_vocab)],
+            TokenizerSpec("NullTokenizer", vocab_size=model_vocab),
             NullTokenizer(model_vocab),
             f"{hf_dir}: {problem}, so the checkpoint has a NullTokenizer over the model's {model_vocab} ids "
             f"(end of document {model_vocab - 1}): train it on data tokenized elsewhere, ids written as text",
         )
-    flags, tokenizer, files = imported
+    spec, tokenizer, files = imported
     note = None
     if any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         try:
@@ -224,11 +218,11 @@ def import_tokenizer(hf_dir: Path, dest: Path, model_vocab: int) -> ImportedToke
                 f"{hf_dir}'s Hugging Face tokenizer and ours from the same files give the same ids and text on the "
                 f"probe texts but for the unknown piece, which it renders as {rendering}"
             )
-    return ImportedTokenizer(flags, tokenizer, note, files)
+    return ImportedTokenizer(spec, tokenizer, note, files)
 
 
 def copy_tokenizer_files(imported: ImportedTokenizer, dest: Path) -> None:
-    """Copy the files `imported` reads into `dest` (the flags name the copies where `dest` ends up)."""
+    """Copy the files `imported` reads into `dest` (its spec names the copies where `dest` ends up)."""
     if imported.files:
         dest.mkdir(parents=True, exist_ok=True)
     for path in imported.files:

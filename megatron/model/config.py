@@ -108,6 +108,8 @@ class GPTConfig:
         if self.mlp_type == "residual" and not self.is_moe:
             raise ConfigError("--mlp-type residual needs MoE layers; give --num-experts greater than 1")
         self._check_shared_experts()
+        for count in set(self.experts_per_layer) - {1}:  # the group rules depend on each MoE layer's expert count
+            self.moe.check_experts(count)
 
     def _check_shared_experts(self) -> None:
         shared = self.moe_shared_expert_intermediate_size
