@@ -1,6 +1,6 @@
 """Cost of the checkpoint checksums: Engine.save_checkpoint with its manifest records (size and
-checksum, megatron/checkpoint/checksum.py) against the same save with
-megatron.checkpoint.save.file_record stubbed out (size from os.stat, no checksum; patched here
+checksum, megatron/checkpoint/checksum.py, taken by the tensor-file writer in a thread while it
+writes) against the same save with the writer's BlockSum stubbed out (no checksum; patched here
 only), so that the checksum is the only difference; and
 Engine.load_checkpoint with verify=True against verify=False. Target: save with / without <= 1.05.
 
@@ -12,9 +12,9 @@ Variants run interleaved in rounds (the order reversed every other round), each 
 once measured; ratios are medians of per-round ratios. Before every load and cold checksum pass each
 file's pages are dropped (fsync, then posix_fadvise DONTNEED) and fincore says whether they left:
 the table says whether loads were cold or warm. Every save is also traced per file (finiteness
-check, write, fsync, checksum in the writer's thread) to show where time goes; the table also gives both
+check, write with its checksum, fsync in the writer's thread) to show where time goes; the table also gives both
 saves less their finiteness check (aminmax over every tensor). Also timed: checksum alone over the
-files (manifest.file_record) from the page cache, as the save reads them back, and from the disk, as
+files (manifest.file_record) from the page cache, as reading a save back would, and from the disk, as
 a verifying load does. The machine's load average is recorded: on a shared machine the per-round
 ratios spread widely.
 
@@ -42,8 +42,9 @@ from unittest import mock
 import torch
 
 import megatron.checkpoint.save as save_module
+import megatron.checkpoint.tensor_file as tensor_file_module
 from benchmarks.aio import REPO, fs_type, machine
-from megatron.checkpoint.manifest import FileRecord, file_record, tensors_record
+from megatron.checkpoint.manifest import file_record
 from megatron.parallel import single_process_grid
 from megatron.runtime.engine import Engine, initialize
 
@@ -70,13 +71,18 @@ def build_engine(params: int) -> tuple[Engine, int]:
     return engine, hidden
 
 
-def stat_record(path: Path) -> FileRecord:
-    """file_record without the checksum: the size from os.stat, an empty checksum."""
-    return FileRecord(size=os.stat(path).st_size, checksum="")
+class NoSum:
+    """The writer's BlockSum without the checksum: the same calls, nothing computed."""
+
+    def update(self, data: object) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
 
 
 class Trace:
-    """Start and end (seconds from `start`) of every write, fsync and record taken during a save."""
+    """Start and end (seconds from `start`) of every write and fsync during a save."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -104,35 +110,26 @@ class Trace:
             return sum(e["end"] - e["start"] for e in self.events if e["kind"] == kind)
 
         writes = [e for e in self.events if e["kind"] == "write"]
-        records = [e for e in self.events if e["kind"] == "record"]
-        crc_bytes = sum(sizes.get(e["file"], 0) for e in records)
         return {
             "check_s": spent("check"),
             "write_s": spent("write"),
             "fsync_s": spent("fsync"),
-            "record_s": spent("record"),
             "tail_s": total_s - max(e["end"] for e in writes),
-            "record_gbps": crc_bytes / spent("record") / 1e9 if spent("record") else None,
+            "write_gbps": sum(sizes.get(e["file"], 0) for e in writes) / spent("write") / 1e9,
             "events": sorted(self.events, key=lambda e: e["start"]),
         }
 
 
 @contextmanager
-def traced_save(record: Callable[[Path], FileRecord]) -> Iterator[Trace]:
-    """save.py's finiteness checks, writes, fsyncs and file records traced, and its file_record
-    replaced by `record`."""
+def traced_save(with_crc: bool) -> Iterator[Trace]:
+    """save.py's finiteness checks, writes and fsyncs traced; without `with_crc`, no checksum."""
     trace = Trace()
     with (
+        mock.patch.object(tensor_file_module, "BlockSum", tensor_file_module.BlockSum if with_crc else NoSum),
         mock.patch.object(save_module, "first_nonfinite", trace.wrap("check", save_module.first_nonfinite)),
         mock.patch.object(save_module, "save_tensors", trace.wrap("write", save_module.save_tensors)),
         mock.patch.object(save_module, "save_rng_state", trace.wrap("write", save_module.save_rng_state)),
         mock.patch.object(save_module, "fsync_path", trace.wrap("fsync", save_module.fsync_path)),
-        mock.patch.object(save_module, "file_record", trace.wrap("record", record)),
-        mock.patch.object(
-            save_module,
-            "tensors_record",
-            trace.wrap("record", tensors_record if record is file_record else lambda path, tensors: record(path)),
-        ),
     ):
         yield trace
 
@@ -185,7 +182,7 @@ def run_variant(engine: Engine, folder: Path, with_crc: bool) -> dict[str, Any]:
     (verifying the checksum checkpoint, not verifying the other); the checkpoint is deleted after."""
     gc.collect()
     settle_page_cache()
-    with traced_save(file_record if with_crc else stat_record) as trace:
+    with traced_save(with_crc) as trace:
         save_s = timed(lambda: engine.save_checkpoint(folder, "bench"))
     checkpoint = folder / "bench"
     sizes = {path.name: os.stat(path).st_size for path in checkpoint_files(checkpoint)}
@@ -252,7 +249,7 @@ def summarise(per_round: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]
         row(
             "save, checksum (Engine.save_checkpoint)", times(crc, "save_s"), size, ratios("save_s"), "save, no checksum"
         ),
-        row("save, no checksum (file_record stubbed)", times(nocrc, "save_s"), size),
+        row("save, no checksum (BlockSum stubbed)", times(nocrc, "save_s"), size),
         row(
             "  same less finiteness check, checksum",
             times(crc, "save_unchecked_s"),
@@ -294,19 +291,18 @@ def print_table(rows: list[dict[str, Any]], cold: str) -> None:
 
 def print_trace(per_round: list[dict[str, dict[str, Any]]]) -> None:
     print(
-        f"\n{'save':>6} {'check s':>8} {'write s':>8} {'fsync s':>8} {'record s':>9} {'record GB/s':>12} {'tail s':>7}"
-        "   (medians; check = first_nonfinite; record = file_record in the writer thread; tail = after the last tensor write)"
+        f"\n{'save':>6} {'check s':>8} {'write s':>8} {'write GB/s':>11} {'fsync s':>8} {'tail s':>7}"
+        "   (medians; check = first_nonfinite; write with its checksum; tail = after the last tensor write)"
     )
     for name in ("crc", "nocrc"):
         traces = [r[name]["trace"] for r in per_round]
         cell = {
             key: statistics.median(t[key] for t in traces)
-            for key in ("check_s", "write_s", "fsync_s", "record_s", "tail_s")
+            for key in ("check_s", "write_s", "write_gbps", "fsync_s", "tail_s")
         }
-        gbps = f"{statistics.median(t['record_gbps'] for t in traces):12.2f}" if name == "crc" else f"{'-':>12}"
         print(
-            f"{name:>6} {cell['check_s']:8.2f} {cell['write_s']:8.2f} {cell['fsync_s']:8.2f} {cell['record_s']:9.2f} "
-            f"{gbps} {cell['tail_s']:7.2f}"
+            f"{name:>6} {cell['check_s']:8.2f} {cell['write_s']:8.2f} {cell['write_gbps']:11.2f} "
+            f"{cell['fsync_s']:8.2f} {cell['tail_s']:7.2f}"
         )
     print("one save (first round, checksum), per file: start-end s")
     for event in per_round[0]["crc"]["trace"]["events"]:

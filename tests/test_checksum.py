@@ -1,13 +1,15 @@
 """The checkpoint checksum catches what disks do to files: every single-bit flip, zeroed and
-swapped blocks, truncation; and reading a file in chunks gives the checksum of its bytes."""
+swapped blocks, truncation; reading a file in chunks gives the checksum of its bytes, and the
+tensor-file writer records the checksum of the bytes it wrote."""
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
 
 import megatron.checkpoint.checksum as checksum_module
-from megatron.checkpoint.checksum import bytes_checksum, file_checksum, tensors_file_checksum
+from megatron.checkpoint.checksum import bytes_checksum, file_checksum
+from megatron.checkpoint.tensor_file import planned_of, write_tensor_file
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,19 @@ def test_pieces_of_any_length_give_the_checksum_of_their_concatenation(data):
     assert block_sum.hexdigest() == bytes_checksum(data)
 
 
-def test_a_safetensors_file_checksum_from_memory_equals_reading_it_back(tmp_path):
-    tensors = {"b": torch.randn(1000), "a": torch.randn(3, 77).bfloat16(), "c": torch.arange(5)}
+def test_a_tensor_file_written_has_the_record_of_its_bytes_and_reads_back_in_safetensors(tmp_path):
+    tensors = {"b": torch.randn(1000), "a": torch.randn(3, 77).bfloat16(), "c": torch.arange(5), "d": torch.ones(0)}
     path = tmp_path / "t.safetensors"
-    save_file(tensors, str(path))
-    assert tensors_file_checksum(path, tensors) == file_checksum(path)
+    record = write_tensor_file(path, planned_of(tensors), tensors.__getitem__, metadata={"format": "pt"})
+    assert (record.size, record.checksum) == file_checksum(path)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        assert set(handle.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(handle.get_tensor(name), tensor), name
+
+
+def test_a_tensor_produced_other_than_planned_stops_the_write(tmp_path):
+    planned = planned_of({"w": torch.zeros(4)})
+    with pytest.raises(RuntimeError, match=r"w came out torch.float32 \(5,\), planned torch.float32 \(4,\)"):
+        write_tensor_file(tmp_path / "t.safetensors", planned, lambda name: torch.zeros(5))

@@ -167,7 +167,7 @@ def test_a_disk_that_fills_up_during_the_import_is_one_sentence_and_leaves_nothi
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(megatron.hf.our_checkpoint, "write_file", full_disk)
+    monkeypatch.setattr(megatron.hf.our_checkpoint, "write_tensor_file", full_disk)
     message = import_refusal(source, tmp_path / "ckpt", capsys)
     assert message.startswith(f"the disk of --save {tmp_path / 'ckpt'} filled up during the import (No space left")
     assert "so nothing was left there; free space (it needs about " in message
@@ -190,15 +190,15 @@ sys.path.insert(0, {repo!r})
 import megatron.hf.our_checkpoint as our_checkpoint
 from megatron.cli.convert_checkpoint import main
 
-write_file = our_checkpoint.write_file
+write_tensor_file = our_checkpoint.write_tensor_file
 
 
 def write_then_die(*args, **kwargs):
-    write_file(*args, **kwargs)
+    write_tensor_file(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-our_checkpoint.write_file = write_then_die
+our_checkpoint.write_tensor_file = write_then_die
 main(sys.argv[1:])
 """
 

@@ -166,7 +166,7 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(corpus, tmp_path, monk
         calls["n"] += 1
         if calls["n"] > 2:  # the first checkpoint writes model + optimizer; the second dies
             raise OSError("disk full")
-        real_save(path, tensors, metadata)
+        return real_save(path, tensors, metadata)
 
     monkeypatch.setattr("megatron.checkpoint.save.save_tensors", failing_save)
     with pytest.raises(

@@ -12,11 +12,9 @@ places; unlike CRC-32 they miss word reorderings inside one 4 KiB block and chan
 in both sums at once, which disks do not produce. It guards against damage, not tampering.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
 BLOCK_BYTES = 4096
 CHUNK_BYTES = 64 << 20  # a multiple of the block, so chunks never split one
@@ -84,23 +82,3 @@ def file_checksum(path: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]
             block_sum.update(buffer[:count])
             size += count
     return size, block_sum.hexdigest()
-
-
-def tensors_file_checksum(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
-    """Size and checksum of the safetensors file just written from `tensors`, taken from memory
-    rather than read back: its header from the file, then each tensor's bytes where the header
-    places them (they follow each other without gaps)."""
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        header = handle.read(int.from_bytes(prefix, "little"))
-    places = json.loads(header)
-    places.pop("__metadata__", None)
-    block_sum, end = BlockSum(), 0
-    block_sum.update(prefix + header)
-    for name, place in sorted(places.items(), key=lambda item: item[1]["data_offsets"][0]):
-        start, stop = place["data_offsets"]
-        if start != end:
-            return file_checksum(path)  # not the layout this function knows: read the file instead
-        block_sum.update(tensors[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-        end = stop
-    return 8 + len(header) + end, block_sum.hexdigest()

@@ -12,10 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
-from megatron.checkpoint.checksum import bytes_checksum, file_checksum, tensors_file_checksum
+from megatron.checkpoint.checksum import bytes_checksum, file_checksum
 from megatron.checkpoint.layout import MANIFEST_FILE
 from megatron.checkpoint.model_record import ModelConfigField
 from megatron.errors import CheckpointError
@@ -112,12 +111,6 @@ class Manifest(StrictRecord):
 
 def file_record(path: Path) -> FileRecord:
     size, checksum = file_checksum(path)
-    return FileRecord(size=size, checksum=checksum)
-
-
-def tensors_record(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
-    """The record of a safetensors file just written from `tensors`, without reading it back."""
-    size, checksum = tensors_file_checksum(path, tensors)
     return FileRecord(size=size, checksum=checksum)
 
 

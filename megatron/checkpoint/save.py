@@ -3,7 +3,7 @@
 1. every rank checks that its tensors are finite and the first rank that the disk has room:
    either failing stops here, before anything is written;
 2. the first rank makes `iter_N.tmp/` (removing a leftover one); every rank writes its files
-   into it, each one fsync'd and checksummed in a thread while the next is written;
+   into it, each one checksummed as it is written and fsync'd in a thread while the next is;
 3. all ranks agree that every write succeeded (else the partial folder is removed and the run
    stops with one sentence);
 4. the first rank writes the manifest, flushes the folder, moves an existing `iter_N/` aside to
@@ -16,10 +16,8 @@ only after step 4, and cleans up what a crash left behind.
 import errno
 import os
 import shutil
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,8 +32,6 @@ from megatron.checkpoint.manifest import (
     LayoutRecord,
     Manifest,
     RunRecord,
-    file_record,
-    tensors_record,
     write_manifest,
 )
 from megatron.checkpoint.tensors import pack_by_size, save_rng_state, save_tensors
@@ -102,31 +98,31 @@ def _parts(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 
 class _RankWriter:
-    """Writes one rank's files into the staging folder while two threads fsync and checksum each
-    file already written (a tensor file's checksum from the tensors in memory, not read back);
-    files are cut into parts so that the last one's work after its write is short."""
+    """Writes one rank's files into the staging folder (each checksummed as it is written) while a
+    thread fsyncs each file already written; files are cut into parts so that the last one's work
+    after its write is short."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.pool = ThreadPoolExecutor(max_workers=2)
-        self.pending: dict[str, tuple[Future[None], Future[FileRecord]]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.pending: dict[str, tuple[Future[None], FileRecord]] = {}
 
-    def _written(self, name: str, record: Callable[[Path], FileRecord] = file_record) -> None:
-        path = self.folder / name
-        self.pending[name] = (self.pool.submit(fsync_path, path), self.pool.submit(record, path))
+    def _written(self, name: str, record: FileRecord) -> None:
+        self.pending[name] = (self.pool.submit(fsync_path, self.folder / name), record)
 
     def tensors(self, stem: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
         for part, entries in enumerate(_parts(tensors)):
-            save_tensors(self.folder / rank_file(stem, rank, part), entries)
-            self._written(rank_file(stem, rank, part), partial(tensors_record, tensors=entries))
+            name = rank_file(stem, rank, part)
+            self._written(name, save_tensors(self.folder / name, entries))
 
     def rng(self, rank: int) -> None:
-        save_rng_state(self.folder / rank_file(RNG, rank))
-        self._written(rank_file(RNG, rank))
+        self._written(rank_file(RNG, rank), save_rng_state(self.folder / rank_file(RNG, rank)))
 
     def records(self) -> dict[str, FileRecord]:
         try:
-            return {name: (flushed.result(), record.result())[1] for name, (flushed, record) in self.pending.items()}
+            for flushed, _ in self.pending.values():
+                flushed.result()
+            return {name: record for name, (_, record) in self.pending.items()}
         finally:
             self.pool.shutdown()
 

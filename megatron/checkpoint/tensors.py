@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from megatron.checkpoint.layout import rank_files
+from megatron.checkpoint.manifest import FileRecord
+from megatron.checkpoint.tensor_file import planned_of, write_tensor_file
 from megatron.errors import CheckpointError
 from megatron.placement import expert_ids, local_part, tensor_parallel_split
 from megatron.tensor_split import TP_SLICE_MARK, unshard
@@ -166,8 +167,9 @@ class ShardedReader:
         return torch.stack([self.get_whole(f"{name}[{g}]", shape[1:]) for g in ids])
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FileRecord:
+    """`tensors` as the safetensors file `path` (not yet flushed), and its record."""
+    return write_tensor_file(path, planned_of(tensors), tensors.__getitem__, metadata)
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -307,7 +309,7 @@ def load_optimizer_state(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save_rng_state(path: Path) -> None:
+def save_rng_state(path: Path) -> FileRecord:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()
@@ -316,7 +318,7 @@ def save_rng_state(path: Path) -> None:
         "python": json.dumps(random.getstate()),
         "numpy": json.dumps([np_state[0], np_state[1].tolist(), *np_state[2:]]),
     }
-    save_tensors(path, tensors, metadata)
+    return save_tensors(path, tensors, metadata)
 
 
 def load_rng_state(path: Path) -> None:

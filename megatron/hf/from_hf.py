@@ -25,6 +25,7 @@ import torch
 
 from megatron.checkpoint.layout import iteration_tag
 from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.tensor_file import Planned
 from megatron.config.model_flags import model_flags, tokenizer_flags
 from megatron.data.tokenizer import padded_vocab_size
 from megatron.errors import CheckpointError, ConfigError
@@ -34,7 +35,7 @@ from megatron.hf.link_runner import LinkRunner, plan
 from megatron.hf.new_folder import FILE_ALLOWANCE, new_folder, refuse_existing_target
 from megatron.hf.our_checkpoint import checkpoint_bytes, expected_entries, write_weights_checkpoint
 from megatron.hf.routing import routing_of
-from megatron.hf.safetensors_io import INDEX_FILE, Planned, TensorIndex
+from megatron.hf.safetensors_io import INDEX_FILE, TensorIndex
 from megatron.hf.source_shapes import refuse_wrong_shapes
 from megatron.hf.tensor_maps import Link, model_links
 from megatron.hf.tokenizer_files import ImportedTokenizer, copy_tokenizer_files, import_tokenizer

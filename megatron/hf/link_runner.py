@@ -11,8 +11,9 @@ from collections.abc import Callable
 import torch
 
 from megatron.checkpoint.save import first_nonfinite
+from megatron.checkpoint.tensor_file import Planned, TensorInfo
 from megatron.errors import CheckpointError
-from megatron.hf.safetensors_io import Planned, TensorIndex, TensorInfo
+from megatron.hf.safetensors_io import TensorIndex
 from megatron.hf.tensor_maps import Link, Tensors
 
 

@@ -27,10 +27,10 @@ from megatron.checkpoint.manifest import (
     write_manifest,
 )
 from megatron.checkpoint.save import PART_BYTES
+from megatron.checkpoint.tensor_file import Planned, TensorInfo, write_tensor_file
 from megatron.checkpoint.tensors import global_entries, pack_by_size
 from megatron.errors import CheckpointError
 from megatron.hf.new_folder import FILE_ALLOWANCE
-from megatron.hf.safetensors_io import Planned, TensorInfo, write_file
 from megatron.model import GPTConfig, GPTModel
 from megatron.placement import expert_ids
 
@@ -91,8 +91,8 @@ def write_weights_checkpoint(
     files: dict[str, FileRecord] = {}
     for part, entries in enumerate(pack_by_size(planned, lambda entry: entry.info.nbytes, PART_BYTES)):
         name = rank_file(MODEL, 0, part)
-        size, checksum = write_file(folder / name, entries, produce)
-        files[name] = FileRecord(size=size, checksum=checksum)
+        files[name] = write_tensor_file(folder / name, entries, produce)
+        fsync_path(folder / name)
     write_manifest(
         folder,
         Manifest(

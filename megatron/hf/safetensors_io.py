@@ -1,61 +1,22 @@
-"""safetensors files read and written one tensor at a time, so that converting a model never
-holds more than a few of its tensors in memory.
-
-Reading: `TensorIndex` takes every tensor's dtype and shape from the file headers (safe_open),
+"""A Hugging Face model's safetensors files read one tensor at a time, so that converting a model
+never holds more than a few of its tensors in memory (checkpoint/tensor_file.py writes them the
+same way): `TensorIndex` takes every tensor's dtype and shape from the file headers (safe_open),
 and reads a tensor's data only when asked for it, with pread(2) rather than a memory map.
-Writing: the header of a file is known before any data is (the names, dtypes and shapes of what goes
-in it), so `write_file` writes the header, then asks for each tensor in turn and writes its bytes,
-checksumming them as they go by (for our
-checkpoint's manifest).
 """
 
-import json
-import math
-import os
 import re
-from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megatron.checkpoint.checksum import BlockSum
+from megatron.checkpoint.tensor_file import DTYPES, TensorInfo
 from megatron.errors import CheckpointError, ConfigError
 
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-CODES = {dtype: code for code, dtype in DTYPES.items()}
 # what save_pretrained writes beside the shards of a model in several files
 INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def meta(self) -> torch.Tensor:
-        """A tensor of this dtype and shape without data, to work out what an operation makes of it."""
-        return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
 def _open(path: Path) -> Any:
@@ -114,56 +75,6 @@ class TensorIndex:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A tensor to write: its name and what it will be."""
-
-    name: str
-    info: TensorInfo
-
-
-def write_file(
-    path: Path, entries: list[Planned], produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None
-) -> tuple[int, str]:
-    """Write `entries` (each made by `produce(name)` when its turn comes) as a safetensors file,
-    flushed to the disk; returns its size and checksum (megatron/checkpoint/checksum.py)."""
-    # wider dtypes first, each keeping the planned order, so every tensor starts aligned to its
-    # element size (the header is padded to a multiple of 8, as the safetensors library does)
-    ordered = sorted(entries, key=lambda entry: -entry.info.dtype.itemsize)
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for entry in ordered:
-        header[entry.name] = {
-            "dtype": CODES[entry.info.dtype],
-            "shape": list(entry.info.shape),
-            "data_offsets": [offset, offset + entry.info.nbytes],
-        }
-        offset += entry.info.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    checksum, size = BlockSum(), 0
-    with open(path, "wb") as out:
-        for piece in (len(text).to_bytes(8, "little"), text):
-            out.write(piece)
-            checksum.update(piece)
-            size += len(piece)
-        for entry in ordered:
-            tensor = produce(entry.name)
-            if tensor.dtype != entry.info.dtype or tuple(tensor.shape) != entry.info.shape:
-                raise RuntimeError(
-                    f"{entry.name} came out {tensor.dtype} {tuple(tensor.shape)}, planned "
-                    f"{entry.info.dtype} {entry.info.shape}"
-                )
-            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            out.write(data)
-            checksum.update(data)
-            size += data.size
-            del tensor, data
-        out.flush()
-        os.fsync(out.fileno())
-    return size, checksum.hexdigest()
 
 
 _UNITS = {

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from megatron.checkpoint.tensor_file import TensorInfo
 from megatron.errors import CheckpointError
 from megatron.hf.link_runner import plan
-from megatron.hf.safetensors_io import TensorIndex, TensorInfo
+from megatron.hf.safetensors_io import TensorIndex
 from megatron.hf.tensor_maps import Link
 
 # config.json keys (as the classes spell them) that give one size of some tensor

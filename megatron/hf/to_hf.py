@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from megatron.checkpoint.durable import fsync_path
 from megatron.checkpoint.layout import MODEL, rank_files
 from megatron.checkpoint.reader import saved_run
+from megatron.checkpoint.tensor_file import Planned, write_tensor_file
 from megatron.checkpoint.tensors import pack_by_size
 from megatron.data.tokenizer import Tokenizer, tokenizer_of
 from megatron.errors import CheckpointError
@@ -25,7 +27,7 @@ from megatron.hf.architectures import choose_spec, hf_config
 from megatron.hf.link_runner import LinkRunner, plan
 from megatron.hf.new_folder import FILE_ALLOWANCE, new_folder, refuse_existing_target
 from megatron.hf.our_checkpoint import check_entries, expected_entries
-from megatron.hf.safetensors_io import INDEX_FILE, Planned, TensorIndex, write_file
+from megatron.hf.safetensors_io import INDEX_FILE, TensorIndex
 from megatron.hf.tensor_maps import model_links
 from megatron.hf.tokenizer_check import compare, probe_texts, training_texts
 from megatron.hf.tokenizer_files import export_tokenizer, exported_tokenizer_bytes
@@ -101,7 +103,9 @@ def export_to_hf(
                 json.dumps({**hf_config(spec, config, tokens), "dtype": stored}, indent=2) + "\n"
             )
             for number, shard in enumerate(shards):
-                write_file(staging / shard_name(number, len(shards)), shard, runner, metadata={"format": "pt"})
+                shard_path = staging / shard_name(number, len(shards))
+                write_tensor_file(shard_path, shard, runner, metadata={"format": "pt"})
+                fsync_path(shard_path)
                 log(f" > wrote {shard_name(number, len(shards))} ({sum(e.info.nbytes for e in shard):,} bytes)")
             if index_text:
                 (staging / INDEX_FILE).write_text(index_text)
