@@ -7,8 +7,10 @@ tmp_path is on the real disk (ext4 here), so the O_DIRECT path is the one under 
 import errno
 import os
 import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ pytest.importorskip("megatron.ops._aio", reason="the aio extension is not built:
 
 from megatron.ops import aio
 from megatron.ops.op_builder import AsyncIOBuilder, GDSBuilder
+
+REPO = Path(__file__).resolve().parents[1]
 
 MiB = 1 << 20
 UINT8 = torch.empty(0, dtype=torch.uint8)
@@ -443,11 +447,18 @@ def test_gds_handle_raises():
     assert not GDSBuilder().is_compatible()
 
 
-def test_missing_extension_says_how_to_build(monkeypatch):
-    monkeypatch.setattr(aio, "_aio", None)
-    with pytest.raises(ImportError, match=r"pip install -e \."):
-        AsyncIOBuilder().load()
-    assert not AsyncIOBuilder().is_compatible()
+MISSING_EXTENSION = """
+import sys
+sys.modules["megatron.ops._aio"] = None  # what Python finds where the extension was never built
+from megatron.ops.op_builder import AsyncIOBuilder
+assert not AsyncIOBuilder().is_compatible()
+AsyncIOBuilder().load()
+"""
+
+
+def test_missing_extension_says_how_to_build():
+    run = subprocess.run([sys.executable, "-c", MISSING_EXTENSION], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 1 and "ImportError" in run.stderr and "pip install -e ." in run.stderr, run.stderr
 
 
 @pytest.mark.cuda

@@ -2,12 +2,13 @@
 
 import math
 import os
+import resource
+import signal
 
 import numpy as np
 import pytest
 import torch
 
-from megatron.data import gpt_dataset
 from megatron.data.blending import BlendedDataset, build_blending_indices, parse_weighted_prefixes
 from megatron.data.gpt_dataset import (
     SPLIT_LEGACY,
@@ -137,15 +138,20 @@ def test_index_cache_is_written_and_reused(tmp_path):
         np.testing.assert_array_equal(first[i]["text"], again[i]["text"])
 
 
-def test_unwritable_cache_falls_back_to_memory(tmp_path, monkeypatch):
+def test_unwritable_cache_falls_back_to_memory(tmp_path, caplog):
+    """A disk that takes no more bytes (a file-size limit of 0: EFBIG, as a full or read-only disk
+    fails a write even for root) leaves the arrays in memory, with a warning and no litter."""
     indexed = write_corpus(tmp_path / "d", random_lengths(30))
-
-    def read_only(path, array):
-        raise PermissionError(f"read-only file system: {path}")
-
-    monkeypatch.setattr(gpt_dataset, "_save_atomically", read_only)
-    dataset = GPTDataset("train", indexed, np.arange(30, dtype=np.int32), 10, 16, seed=5)
-    assert len(dataset) >= 10 and not [name for name in os.listdir(tmp_path) if name.endswith(".npy")]
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limits[1]))
+    try:
+        dataset = GPTDataset("train", indexed, np.arange(30, dtype=np.int32), 10, 16, seed=5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert len(dataset) >= 10 and not [name for name in os.listdir(tmp_path) if name.endswith((".npy", ".tmp"))]
+    assert "could not cache GPT index arrays" in caplog.text
 
 
 def test_stale_cache_for_other_documents_is_rebuilt(tmp_path):
