@@ -11,6 +11,7 @@ run's where it matters with one sentence naming the field (model_config.py).
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,7 +27,7 @@ from megatron.checkpoint.layout import (
     rank_files,
     tag_iteration,
 )
-from megatron.checkpoint.manifest import PRE_MANIFEST_FORMAT, RunRecord
+from megatron.checkpoint.manifest import PRE_MANIFEST_FORMAT, Manifest, RunRecord
 from megatron.checkpoint.model_config import check_model_config
 from megatron.checkpoint.verify import DamagedCheckpoint, verify_folder
 from megatron.errors import CheckpointError
@@ -34,6 +35,15 @@ from megatron.model.config import GPTConfig
 from megatron.parallel import ParallelGrid
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from: its folder's manifest read once, every file verified."""
+
+    iteration: int
+    folder: Path
+    manifest: Manifest
 
 
 class FolderSaver(Protocol):
@@ -103,30 +113,30 @@ def repair_directory(load_dir: str, log: Log) -> None:
             log(f" > removed {child}, a save that was interrupted before it finished")
 
 
-def newest_intact(load_dir: str, grid: ParallelGrid, below: int | None = None) -> int | None:
+def newest_intact(load_dir: str, grid: ParallelGrid, below: int | None = None) -> ResumePoint | None:
     """The newest iteration (older than `below`) whose folder verifies."""
     for iteration in saved_iterations(load_dir):
         if below is not None and iteration >= below:
             continue
+        folder = Path(load_dir) / iteration_tag(iteration)
         try:
-            verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
+            return ResumePoint(iteration, folder, verify_folder(folder, grid))
         except CheckpointError:
             continue
-        return iteration
     return None
 
 
 def _refuse_damaged(load_dir: str, iteration: int, grid: ParallelGrid, error: DamagedCheckpoint) -> CheckpointError:
     older = newest_intact(load_dir, grid, below=iteration)
     instead = (
-        f"load iteration {older} instead with --ckpt-step {older}"
+        f"load iteration {older.iteration} instead with --ckpt-step {older.iteration}"
         if older is not None
         else "no older intact checkpoint exists: start afresh in another --save folder"
     )
     return CheckpointError(f"checkpoint iteration {iteration} is damaged: {error}; {instead}")
 
 
-def resume_iteration(
+def resume_point(
     load_dir: str,
     grid: ParallelGrid,
     ckpt_step: int | None,
@@ -134,21 +144,21 @@ def resume_iteration(
     log: Log,
     model: GPTConfig | None = None,
     weights_only: bool = False,
-) -> int | None:
-    """The verified iteration to resume from, or None to start from scratch; `train_iters` (None:
+) -> ResumePoint | None:
+    """The verified checkpoint to resume from, or None to start from scratch; `train_iters` (None:
     no limit) is where the run ends. With `model` (the run's, its vocabulary padded) the
     checkpoint's model is compared with it first, `weights_only` for a run that loads the weights
     alone (--reset-iteration). Every rank calls it."""
-    iteration = _verified_iteration(load_dir, grid, ckpt_step, log)
-    if iteration is None:
+    point = _verified(load_dir, grid, ckpt_step, log)
+    if point is None:
         return None
-    _within(iteration, train_iters, load_dir)
+    _within(point.iteration, train_iters, load_dir)
     if model is not None:
-        check_model_config(Path(load_dir) / iteration_tag(iteration), model, weights_only, log)
-    return iteration
+        check_model_config(point.folder, point.manifest, model, weights_only, log)
+    return point
 
 
-def _verified_iteration(load_dir: str, grid: ParallelGrid, ckpt_step: int | None, log: Log) -> int | None:
+def _verified(load_dir: str, grid: ParallelGrid, ckpt_step: int | None, log: Log) -> ResumePoint | None:
     if not Path(load_dir).is_dir():
         if ckpt_step is not None:
             raise CheckpointError(
@@ -179,23 +189,21 @@ def _verified_iteration(load_dir: str, grid: ParallelGrid, ckpt_step: int | None
             problem = (
                 problem or f"{Path(load_dir) / LATEST_FILE} names iteration {iteration}, which has no complete folder"
             )
-            iteration = newest_intact(load_dir, grid)
-            if iteration is None:
+            point = newest_intact(load_dir, grid)
+            if point is None:
                 raise CheckpointError(
                     f"{problem} and no checkpoint folder in {load_dir} is intact; start afresh in another --save folder"
                 )
-            log(f" > {problem}: resuming from the newest intact checkpoint, iteration {iteration}")
-            return iteration
+            log(f" > {problem}: resuming from the newest intact checkpoint, iteration {point.iteration}")
+            return point
+    folder = Path(load_dir) / iteration_tag(iteration)
     try:
-        manifest = verify_folder(Path(load_dir) / iteration_tag(iteration), grid)
+        manifest = verify_folder(folder, grid)
     except DamagedCheckpoint as error:
         raise _refuse_damaged(load_dir, iteration, grid, error) from None
     if manifest.format_version == PRE_MANIFEST_FORMAT:
-        log(
-            f" > {Path(load_dir) / iteration_tag(iteration)} has no {MANIFEST_FILE} (saved by an earlier version): "
-            "loading it without verifying its files"
-        )
-    return iteration
+        log(f" > {folder} has no {MANIFEST_FILE} (saved by an earlier version): loading it without verifying its files")
+    return ResumePoint(iteration, folder, manifest)
 
 
 def _within(iteration: int, train_iters: int | None, load_dir: str) -> None:

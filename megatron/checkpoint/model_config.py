@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from megatron.checkpoint.verify import read_checkpoint
+from megatron.checkpoint.manifest import Manifest
 from megatron.errors import CheckpointError
 from megatron.model.config import GPTConfig
 from megatron.model.moe.config import MoEConfig
@@ -181,11 +181,13 @@ def config_field_names() -> set[str]:
     return names | {f"moe.{field.name}" for field in fields(MoEConfig)}
 
 
-def check_model_config(folder: Path, run: GPTConfig, weights_only: bool, log: Callable[[str], None]) -> None:
-    """Refuse with one sentence where checkpoint `folder`'s model differs from `run` (the run's, with
-    its padded vocabulary) in a SHAPE field, or in a MEANING one on a resume (`weights_only`: the
-    run loads the weights only, as --reset-iteration does); log the changes allowed."""
-    recorded = read_checkpoint(folder).run
+def check_model_config(
+    folder: Path, manifest: Manifest, run: GPTConfig, weights_only: bool, log: Callable[[str], None]
+) -> None:
+    """Refuse with one sentence where checkpoint `folder`'s model (its `manifest`'s) differs from
+    `run` (the run's, with its padded vocabulary) in a SHAPE field, or in a MEANING one on a resume
+    (`weights_only`: the run loads the weights only, as --reset-iteration does); log the changes allowed."""
+    recorded = manifest.run
     if recorded is None:
         log(f" > {folder} records no model config: it is loaded without comparing the model with this run's")
         return

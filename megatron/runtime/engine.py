@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint.manifest import RunRecord
+from megatron.checkpoint.manifest import Manifest, RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.verify import read_checkpoint, verify_folder
 from megatron.errors import ConfigError
@@ -216,14 +216,16 @@ class Engine:
         load_optimizer: bool = True,
         load_rng: bool = True,
         verify: bool = True,
+        manifest: Manifest | None = None,
     ) -> dict[str, Any]:
         """Restore model (and optimizer, schedule, loss scale, RNG) after checking every file
-        against the manifest (`verify=False` when the caller has just done so); returns the client state
-        that save_checkpoint was given."""
+        against the manifest (`verify=False` to skip that; `manifest`: the folder's, which the caller
+        has read and verified); returns the client state that save_checkpoint was given."""
         folder = Path(load_dir) / tag
-        record = verify_folder(folder, self.parallel) if verify else read_checkpoint(folder)
-        engine_checkpoint.restore(self, folder, record.engine, load_optimizer, load_rng)
-        return record.engine.client_state
+        if manifest is None:
+            manifest = verify_folder(folder, self.parallel) if verify else read_checkpoint(folder)
+        engine_checkpoint.restore(self, folder, manifest.engine, load_optimizer, load_rng)
+        return manifest.engine.client_state
 
 
 def initialize(

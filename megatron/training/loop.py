@@ -7,17 +7,21 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from megatron.checkpoint.iterations import holds_checkpoints, resume_iteration, save_checkpoint, saved_iterations
-from megatron.checkpoint.layout import LATEST_FILE, iteration_tag
+from megatron.checkpoint.iterations import (
+    ResumePoint,
+    holds_checkpoints,
+    resume_point,
+    save_checkpoint,
+    saved_iterations,
+)
+from megatron.checkpoint.layout import LATEST_FILE
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save_lock import hold_save_lock
-from megatron.checkpoint.verify import read_checkpoint
 from megatron.config.flags import PretrainConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.loader import build_pretraining_loader
@@ -124,7 +128,7 @@ class Trainer:
         if ckpt.moe_use_upcycling:
             self.load_dir = self._upcycle(model)
         self.resume_from = (
-            resume_iteration(
+            resume_point(
                 self.load_dir,
                 grid,
                 ckpt.ckpt_step if self.load_dir == ckpt.load else None,
@@ -194,23 +198,22 @@ class Trainer:
         self.log.info(upcycle_from_checkpoint(model, ckpt.load, self.grid, ckpt.ckpt_step))
         return None
 
-    def _load(self, iteration: int) -> None:
+    def _load(self, point: ResumePoint) -> None:
         ckpt = self.config.checkpoint
-        folder = Path(self.load_dir) / iteration_tag(iteration)
-        run = read_checkpoint(folder).run
+        run = point.manifest.run
         if run is None:
             raise CheckpointError(
-                f"{folder} holds no record of a training run (it was saved through the engine alone); "
+                f"{point.folder} holds no record of a training run (it was saved through the engine alone); "
                 "--load a checkpoint saved by pretrain_gpt.py"
             )
         self.engine.load_checkpoint(
             self.load_dir,
-            iteration_tag(iteration),
+            point.folder.name,
             load_optimizer=ckpt.load_optim and not ckpt.reset_iteration,
             load_rng=ckpt.load_rng,
-            verify=False,  # resume_iteration has just verified it
+            manifest=point.manifest,  # read and verified by resume_point
         )
-        self.log.info(f" > loaded checkpoint {self.load_dir}/{iteration_tag(iteration)} at iteration {iteration}")
+        self.log.info(f" > loaded checkpoint {self.load_dir}/{point.folder.name} at iteration {point.iteration}")
         if ckpt.reset_iteration:
             self.log.info(
                 f" > --reset-iteration: weights from {ckpt.load} (iteration {run.iteration}), "
@@ -229,7 +232,7 @@ class Trainer:
         d, ckpt = self.config.distill, self.config.checkpoint
         if d is None:
             return None, False
-        start = 0 if starts_fresh or ckpt.reset_iteration else self.resume_from
+        start = 0 if starts_fresh or ckpt.reset_iteration or self.resume_from is None else self.resume_from.iteration
         init = d.init_from_teacher and starts_fresh
         if not d.kd_active(start) and not init:
             if d.kd:
