@@ -194,9 +194,9 @@ CONFIGS = [
         [],
     ),
     (
-        "flops profiler on",
-        '{"train_batch_size": 4, "flops_profiler": {"enabled": true, "profile_step": 1}}',
-        "flops_profiler in .* turns on the FLOPs profiler, which this toolkit does not build; remove it or turn it off",
+        "comms logger on",
+        '{"train_batch_size": 4, "comms_logger": {"enabled": true}}',
+        "comms_logger in .* turns on the communication logger, which this toolkit does not build; remove it or turn it off",
         [],
     ),
     (

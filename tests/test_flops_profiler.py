@@ -10,10 +10,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+from megatron.errors import ConfigError
 from megatron.model import GPTConfig, GPTModel
 from megatron.model.moe import MoEConfig
 from megatron.model.moe.experts import padded_rows
-from megatron.parallel import ParallelGrid
+from megatron.parallel import ParallelGrid, single_process_grid
 from megatron.profiling.flops_profiler import (
     FlopsProfiler,
     duration_to_string,
@@ -24,6 +25,8 @@ from megatron.profiling.flops_profiler import (
     params_to_string,
 )
 from megatron.profiling.records import ModuleProfile
+from megatron.runtime.config.schema import load_runtime_config
+from megatron.runtime.engine import Engine, initialize
 
 H, HEADS, VOCAB, B, S, E, K = 32, 4, 64, 2, 32, 4, 2
 T = B * S
@@ -301,3 +304,48 @@ def test_strings_are_deepspeeds():
     assert number_to_string(6279.86e9, precision=1) == "6.3 T"
     assert duration_to_string(0.07667) == "76.67 ms" and duration_to_string(2e-5) == "20.00 us"
     assert duration_to_string(3.0) == "3.00 s"
+
+
+def trained_with(ds_profiler: dict, steps: int = 3, accumulation: int = 2) -> tuple[list[float], GPTModel, Engine]:
+    """Losses of `steps` engine steps of an MoE GPT under the ds_config `flops_profiler` block given."""
+    model = tiny_model(num_experts=(E,), moe=MoEConfig(topk=K)).train()
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "flops_profiler": ds_profiler,
+    }
+    engine = initialize(model, config, single_process_grid(torch.device("cpu")))
+    tokens = torch.randint(0, VOCAB, (steps * accumulation, B, S), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            batch = tokens[step * accumulation + micro]
+            out = engine(batch, labels_BS=batch.roll(-1, dims=1))
+            loss = out.losses_BS.mean() + out.router_loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses, model, engine
+
+
+def test_the_ds_config_block_prints_the_profile_of_its_step_once_and_changes_no_loss(tmp_path):
+    output = tmp_path / "profile.txt"
+    block = {"enabled": True, "profile_step": 1, "module_depth": -1, "top_modules": 2, "output_file": str(output)}
+    one_step, _, _ = trained_with(block, steps=1)
+    assert not output.exists()  # step 0 is not profiled
+    losses, model, engine = trained_with(block)
+    text = output.read_text()
+    assert text.count("Flops profile at step 1") == 1 and "[dispatch]" in text and "fwd MACs:" in text
+    assert engine.profiled_step.done
+    assert not model._forward_hooks and not model._forward_pre_hooks  # removed after the step
+    assert all(not m._forward_hooks for m in model.modules())
+    unprofiled, _, _ = trained_with({"enabled": False})
+    assert losses == unprofiled and losses[:2] == one_step
+
+
+def test_a_wrong_flops_profiler_key_or_value_is_refused_by_name():
+    with pytest.raises(ConfigError, match="profile_stepp"):
+        load_runtime_config({"train_batch_size": 2, "flops_profiler": {"enabled": True, "profile_stepp": 1}}, 1)
+    with pytest.raises(ConfigError, match="module_depth"):
+        load_runtime_config({"train_batch_size": 2, "flops_profiler": {"enabled": True, "module_depth": -2}}, 1)

@@ -19,7 +19,7 @@ import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from megatron.model.gpt import GPTModel
 from megatron.model.moe.layer import MoELayer
+from megatron.parallel import ParallelGrid
 from megatron.profiling.moe_phases import MoETracker
 from megatron.profiling.op_flops import Cost, op_cost
 from megatron.profiling.records import ModuleProfile, ProfileHeader
@@ -40,8 +41,13 @@ from megatron.profiling.report import (
     profile_text,
 )
 
-if TYPE_CHECKING:
-    from megatron.runtime.engine import Engine
+
+class EngineLike(Protocol):
+    """What the printed header reads of a DeepSpeed-style engine (ours: megatron.runtime.engine)."""
+
+    parallel: ParallelGrid
+    gradient_accumulation_steps: int
+
 
 __all__ = [
     "FlopsProfiler",
@@ -91,7 +97,9 @@ class FlopsProfiler:
     forward) enters the printed estimate of a training step's FLOPs. Parameters are counted whether
     or not they require gradients, this rank's only (under expert parallelism, its experts)."""
 
-    def __init__(self, model: nn.Module, ds_engine: "Engine | None" = None, recompute_fwd_factor: float = 0.0) -> None:
+    def __init__(
+        self, model: nn.Module, ds_engine: EngineLike | None = None, recompute_fwd_factor: float = 0.0
+    ) -> None:
         self.model = model
         self.ds_engine = ds_engine
         self.recompute_fwd_factor = recompute_fwd_factor

@@ -38,6 +38,7 @@ from megatron.runtime.lr_schedules import build_scheduler
 from megatron.runtime.monitor import EngineMonitor
 from megatron.runtime.nonfinite import NonFiniteStep, nonfinite_ranks
 from megatron.runtime.optimizer_factory import build_optimizer
+from megatron.runtime.profiled_step import ProfiledStep
 from megatron.runtime.strategy import build_strategy
 from megatron.runtime.swap.swapped_adam import SwappedAdam
 
@@ -83,6 +84,8 @@ class Engine:
         self.strategy = build_strategy(self.module, self.optimizer, config, parallel)
         if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
             self.optimizer.prepare(self.strategy.swapped_stores())
+        profiling = config.flops_profiler
+        self.profiled_step = ProfiledStep(profiling, self.module, self, parallel) if profiling.enabled else None
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the
@@ -104,6 +107,8 @@ class Engine:
         return torch.autocast(device_type=self.parallel.device.type, dtype=self.autocast_dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.profiled_step is not None:
+            self.profiled_step.before_forward(self.global_steps)
         self.monitor.start("forward")
         with self.autocast(), self.strategy.forward_context():
             output = self.module(*args, **kwargs)
@@ -185,6 +190,8 @@ class Engine:
         self.global_steps += 1
         self.monitor.stop("step")
         self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
+        if self.profiled_step is not None:
+            self.profiled_step.after_step(self.global_steps)
 
     @property
     def precision(self) -> str:

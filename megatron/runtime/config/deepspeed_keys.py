@@ -169,7 +169,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     *(
         Unbuilt((key,), feature, _enabled)
         for key, feature in (
-            ("flops_profiler", "the FLOPs profiler"),
             ("comms_logger", "the communication logger"),
             ("autotuning", "the autotuner"),
             ("wandb", "Weights & Biases logging"),
@@ -284,7 +283,6 @@ class TopLevelKeys(Section):
     timers: Block | None = None
     compile: Block | None = None
     data_types: Block | None = None
-    flops_profiler: Block | None = None
     comms_logger: Block | None = None
     autotuning: Block | None = None
     wandb: Block | None = None

@@ -234,6 +234,23 @@ class TensorBoardConfig(Section):
             )
 
 
+class FlopsProfilerConfig(Section):
+    """DeepSpeed's `flops_profiler` block: the forwards of training step `profile_step` (counted from
+    0, as DeepSpeed's global_steps) profiled, and the profile printed once that step is taken."""
+
+    enabled: bool = False
+    recompute_fwd_factor: NonNegative = 0.0
+    profile_step: Count = 1
+    module_depth: int = -1  # -1: every depth
+    top_modules: PositiveCount = 1
+    detailed: bool = True
+    output_file: str | None = None  # None: stdout
+
+    def model_post_init(self, context: Any) -> None:
+        if self.module_depth < -1:
+            raise ValueError(f"module_depth {self.module_depth} is below -1; give -1 (every depth) or a depth")
+
+
 class RuntimeConfig(TopLevelKeys):
     train_batch_size: PositiveCount | None = None
     train_micro_batch_size_per_gpu: PositiveCount | None = None
@@ -257,6 +274,7 @@ class RuntimeConfig(TopLevelKeys):
     wall_clock_breakdown: bool = False  # forward / backward / step times on that line
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     aio: AioConfig = AioConfig()
+    flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
 
     @property
     def precision(self) -> str:
