@@ -338,6 +338,7 @@ def test_the_ds_config_block_prints_the_profile_of_its_step_once_and_changes_no_
     text = output.read_text()
     assert text.count("Flops profile at step 1") == 1 and "[dispatch]" in text and "fwd MACs:" in text
     assert engine.profiled_step.done
+    assert "samples/second:" in text and "iteration latency (profiling included):" in text
     assert not model._forward_hooks and not model._forward_pre_hooks  # removed after the step
     assert all(not m._forward_hooks for m in model.modules())
     unprofiled, _, _ = trained_with({"enabled": False})

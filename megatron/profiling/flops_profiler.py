@@ -31,7 +31,7 @@ from megatron.model.moe.layer import MoELayer
 from megatron.parallel import ParallelGrid
 from megatron.profiling.moe_phases import MoETracker
 from megatron.profiling.op_flops import Cost, op_cost
-from megatron.profiling.records import ModuleProfile, ProfileHeader
+from megatron.profiling.records import ModuleProfile, ProfileHeader, StepTimes
 from megatron.profiling.report import (
     duration_to_string,
     flops_to_string,
@@ -173,16 +173,18 @@ class FlopsProfiler:
         top_modules: int = 1,
         detailed: bool = True,
         output_file: str | None = None,
+        step_times: StepTimes | None = None,
     ) -> None:
         """The summary, the top modules by params, MACs and latency at each depth up to
         `module_depth` (-1: all), and with `detailed` the module tree; to `output_file` instead
-        of stdout when given."""
+        of stdout when given. `step_times`: the training step the forwards belong to (the engine's)."""
         engine = self.ds_engine
         header = ProfileHeader(
             profile_step,
             self.recompute_fwd_factor,
             None if engine is None else engine.parallel,
             None if engine is None else engine.gradient_accumulation_steps,
+            step_times,
         )
         text = profile_text(self.module_profile(), header, module_depth, top_modules, detailed)
         if output_file is None:

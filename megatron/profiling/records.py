@@ -46,9 +46,18 @@ class ModuleProfile:
     moe: MoEProfile | None = None
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """A whole training step around the profiled forwards, as the engine saw it."""
+
+    iteration_s: float  # from the step's first forward to the end of its optimizer step
+    samples: int  # the step's global batch
+
+
 @dataclass
 class ProfileHeader:
     step: int
     recompute_fwd_factor: float  # forwards rerun by activation checkpointing, per forward
     grid: ParallelGrid | None  # the engine's, when the profiler was given one
     gradient_accumulation_steps: int | None
+    times: StepTimes | None = None  # when the engine profiled a training step

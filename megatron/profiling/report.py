@@ -89,6 +89,14 @@ def _summary(root: ModuleProfile, header: ProfileHeader) -> list[str]:
         ("fwd FLOP/s = fwd FLOPs / fwd latency", flops_to_string(_rate(cost.flops, root.duration_s))),
         (f"fwd+bwd FLOPs, estimated as (3 + {factor:g}) x fwd", number_to_string((3 + factor) * cost.flops)),
     ]
+    if header.times is not None:
+        step_s = header.times.iteration_s
+        rows += [
+            ("bwd + optimizer step latency", duration_to_string(max(step_s - root.duration_s, 0.0))),
+            ("iteration latency (profiling included)", duration_to_string(step_s)),
+            ("iteration FLOP/s, from the estimate", flops_to_string(_rate((3 + factor) * cost.flops, step_s))),
+            ("samples/second", f"{_rate(header.times.samples, step_s):.2f}"),
+        ]
     width = max(len(label) for label, _ in rows) + 2
     title = f" Flops profile at step {header.step} "
     notation = (

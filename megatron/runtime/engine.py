@@ -85,7 +85,11 @@ class Engine:
         if isinstance(self.optimizer, SwappedAdam):  # swap files for the shards the groups hold now
             self.optimizer.prepare(self.strategy.swapped_stores())
         profiling = config.flops_profiler
-        self.profiled_step = ProfiledStep(profiling, self.module, self, parallel) if profiling.enabled else None
+        self.profiled_step = (
+            ProfiledStep(profiling, self.module, self, parallel, config.train_batch_size or 0)
+            if profiling.enabled
+            else None
+        )
 
     def _broadcast_parameters(self) -> None:
         """Every replica starts from its group's first rank's weights: dense tensors over the
