@@ -13,7 +13,7 @@ requires_cuda = pytest.mark.skipif(
 # distributed: spawns 2-4 gloo ranks (tests/dist_utils.py) or runs torchrun;
 # tools: runs the command-line tools as subprocesses.
 TIERS = {
-    "unit": """aio_tools arguments model_flags checksum config_faults cpu_adam cuda_paths data_integrity
+    "unit": """aio_tools arguments model_flags peak_flops checksum config_faults cpu_adam cuda_paths data_integrity
         deepspeed_config flops_profiler gpt_dataset indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating
         package_imports placement resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
         zero_residency""",

@@ -114,6 +114,7 @@ class LoggingConfig:
     eval_iters: int
     eval_at_start: bool
     tensorboard_dir: str | None
+    peak_tflops: float | None = None  # per rank, the MFU's denominator; None: a table or a probe
 
 
 @dataclass(frozen=True)
@@ -514,6 +515,13 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--eval-iters", type=non_negative_int, default=100)
     g.add_argument("--eval-at-start", action="store_true", help="also evaluate before the first iteration")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=None,
+        help="each device's peak TFLOP/s in the run's dtype, for the MFU in the log; default: a data-sheet table "
+        "for common GPUs, else a GEMM probe at start-up (cached)",
+    )
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=positive_int, default=None)
@@ -775,6 +783,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         eval_iters=args.eval_iters,
         eval_at_start=args.eval_at_start,
         tensorboard_dir=args.tensorboard_dir,
+        peak_tflops=args.peak_tflops,
     )
     if args.reset_iteration and not args.load:
         raise ConfigError("--reset-iteration restarts from the weights in --load; add --load DIR or drop it")

@@ -70,6 +70,7 @@ class IntervalStats:
     skipped_total: int
     tokens_per_second: float
     tflops: float  # per rank
+    mfu: float  # tflops / the device's peak (megatron/profiling/peak_flops.py)
 
 
 class TrainingLogger:
@@ -118,6 +119,7 @@ class TrainingLogger:
             f"number of skipped iterations: {stats.skipped:3d}",
             f"tokens per second: {stats.tokens_per_second:.1f}",
             f"TFLOP/s: {stats.tflops:.3f}",
+            f"MFU: {100 * stats.mfu:.1f}%",
         ]
         self.info(" | ".join(fields) + " |")
         optional = {"loss-scale": stats.loss_scale, "moe loss": stats.moe_loss, "kd loss": stats.kd_loss}
@@ -130,6 +132,7 @@ class TrainingLogger:
                 "iteration-time": stats.iteration_ms / 1000.0,
                 "tokens-per-second": stats.tokens_per_second,
                 "tflops": stats.tflops,
+                "mfu": stats.mfu,
                 "batch-size": stats.global_batch_size,
                 "skipped-iterations": stats.skipped,
                 "skipped-iterations-total": stats.skipped_total,

@@ -32,6 +32,7 @@ from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.pipeline_stage import pipeline_stage
 from megatron.model.tensor_parallel import TensorParallel
 from megatron.parallel import ParallelGrid, all_reduce
+from megatron.profiling.peak_flops import peak_flops
 from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.engine import initialize
 from megatron.runtime.lr_schedules import AnnealingLR
@@ -474,6 +475,8 @@ class Trainer:
             self._validate(result)
         data_iter = self.loader(self.train_data, self.consumed_samples) if self.iteration < t.train_iters else None
         flops_per_iteration = self.model_config.flops_per_token(t.seq_length) * t.tokens_per_iteration
+        peak = peak_flops(self.grid.device, self.engine.autocast_dtype or torch.float32, cfg.logging.peak_tflops)
+        self.log.info(f" > MFU in the log is against {peak.tflops:.3f} TFLOP/s per rank, from {peak.source}")
         window = self.window  # read back once per log interval: no per-step sync
         interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps - window.skipped
         while self.iteration < t.train_iters:
@@ -496,6 +499,7 @@ class Trainer:
                 means = Losses.from_vector(interval.vector().mean(0))
                 lm, moe, kd = self.dp_mean(means.lm), self.dp_mean(means.moe), self.dp_mean(means.kd)
                 kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(window.losses))
+                tflops = flops_per_iteration / seconds / 1e12 / self.grid.world_size
                 self.log.training_line(
                     self.iteration,
                     t.train_iters,
@@ -513,7 +517,8 @@ class Trainer:
                         skipped=window.skipped,
                         skipped_total=self.engine.skipped_steps,
                         tokens_per_second=t.tokens_per_iteration / seconds,
-                        tflops=flops_per_iteration / seconds / 1e12 / self.grid.world_size,
+                        tflops=tflops,
+                        mfu=tflops / peak.tflops,
                     ),
                 )
                 self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group, self.grid.pp_group))
