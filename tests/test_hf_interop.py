@@ -16,8 +16,7 @@ from safetensors.torch import save_file
 
 from megatron.cli import train_tokenizer
 from megatron.cli.convert_checkpoint import main
-from megatron.config.flags import build_parser, model_config_from_args, parse_args, with_data_parallel_size
-from megatron.config.model_flags import model_flags
+from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.data.tokenizer import _bytes_to_unicode
 from megatron.errors import CheckpointError, ConfigError
 from megatron.hf.architectures import choose_spec
@@ -32,6 +31,7 @@ from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.training.loop import Trainer
 from tests import inference_fixtures
 from tests.dist_utils import run_distributed
+from tests.test_model_flags import assert_round_trip
 from tests.training_fixtures import VOCAB, tiny_config, tiny_flags, write_corpus
 
 transformers = pytest.importorskip(
@@ -641,9 +641,7 @@ def test_a_hf_model_ours_cannot_compute_is_refused(config, message):
 def test_the_printed_flags_build_the_config_the_import_built(name):
     """The flags an import prints for continued training parse back to the model it wrote."""
     _, config = config_from_hf(THEIRS[name](), "HFDIR")
-    flags = model_flags(config)
-    args = build_parser(sizing=True).parse_args(flags + ["--seq-length", str(config.max_position_embeddings)])
-    assert model_config_from_args(args) == config, flags
+    assert_round_trip(config)
 
 
 def test_import_refusals_before_anything_is_written(tmp_path, exported):
