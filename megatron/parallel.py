@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.errors import ConfigError
 
 Groups = tuple[tuple[int, ...], ...]
@@ -198,7 +199,7 @@ def is_parallel(group: dist.ProcessGroup | None) -> bool:
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Sum `tensor` in place over `group`; nothing to do without one or with a single rank."""
     if is_parallel(group):
-        dist.all_reduce(tensor, group=group)
+        comm.all_reduce(tensor, group=group)
 
 
 def default_device() -> torch.device:

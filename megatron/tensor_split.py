@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.errors import ConfigError
 
 TP_SLICE_MARK = "~tp"  # "exp_avg/layers.0.dense.weight~tp1of2": slice 1 of 2
@@ -65,7 +66,7 @@ def unshard(pieces: list[torch.Tensor], dim: int, partition_sizes: Sequence[int]
 def gather_list(x: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, x, group=group)
+    comm.all_gather(pieces, x, group=group)
     return pieces
 
 

@@ -194,9 +194,22 @@ CONFIGS = [
         [],
     ),
     (
-        "comms logger on",
-        '{"train_batch_size": 4, "comms_logger": {"enabled": true}}',
-        "comms_logger in .* turns on the communication logger, which this toolkit does not build; remove it or turn it off",
+        "comms logger on, DeepSpeed's tutorial block",
+        '{"train_batch_size": 4, "comms_logger": {"enabled": true, "verbose": false, "prof_all": false,'
+        ' "prof_ops": ["all_reduce", "all_to_all_single"], "debug": true}}',
+        {"comms_logger.enabled": True, "comms_logger.prof_ops": ["all_reduce", "all_to_all_single"]},
+        [],
+    ),
+    (
+        "a comms logger key that is not DeepSpeed's",
+        '{"train_batch_size": 4, "comms_logger": {"enabled": true, "prof_al": true}}',
+        "comms_logger.prof_al",
+        [],
+    ),
+    (
+        "a comms logger op that is not an op",
+        '{"train_batch_size": 4, "comms_logger": {"enabled": true, "prof_ops": ["allreduce"]}}',
+        r"prof_ops names \['allreduce'\], which are not ops",
         [],
     ),
     (

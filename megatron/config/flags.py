@@ -115,6 +115,9 @@ class LoggingConfig:
     eval_at_start: bool
     tensorboard_dir: str | None
     peak_tflops: float | None = None  # per rank, the MFU's denominator; None: a table or a probe
+    timing_log_level: int = 0  # Megatron's: 0 no timers, 1 the iteration's parts, 2 also their pieces
+    timing_log_option: str = "minmax"  # across ranks: max | minmax | all
+    log_timers_to_tensorboard: bool = False
 
 
 @dataclass(frozen=True)
@@ -522,6 +525,22 @@ def build_parser(sizing: bool = False) -> FlagParser:
         help="each device's peak TFLOP/s in the run's dtype, for the MFU in the log; default: a data-sheet table "
         "for common GPUs, else a GEMM probe at start-up (cached)",
     )
+    g.add_argument(
+        "--timing-log-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="timers in the log at each log interval: 0 none; 1 forward-backward, gradient sync, optimizer, "
+        "parameter gathering, checkpoint save; 2 also forward/backward compute, data loading, pipeline sends, "
+        "receives and bubble, the MoE all-to-alls and NVMe swapping",
+    )
+    g.add_argument(
+        "--timing-log-option",
+        choices=["max", "minmax", "all"],
+        default="minmax",
+        help="each timer across ranks: the max, the min and max, or every rank's",
+    )
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="the timers as TensorBoard scalars too")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=positive_int, default=None)
@@ -784,6 +803,9 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         eval_at_start=args.eval_at_start,
         tensorboard_dir=args.tensorboard_dir,
         peak_tflops=args.peak_tflops,
+        timing_log_level=args.timing_log_level,
+        timing_log_option=args.timing_log_option,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
     )
     if args.reset_iteration and not args.load:
         raise ConfigError("--reset-iteration restarts from the weights in --load; add --load DIR or drop it")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.data.tokenizer import Tokenizer
 from megatron.errors import ConfigError
 from megatron.inference.mode import require_inference_mode
@@ -22,7 +23,7 @@ StopFn = Callable[[list[int]], bool]
 
 def _agree(tokens_B: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(tokens_B, src=0)
+        comm.broadcast(tokens_B, src=0)
     return tokens_B
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import comm
 from megatron.parallel import all_reduce, is_parallel
 from megatron.placement import place
 from megatron.tensor_split import TensorParallelSplit, check_divisible, gather_list, partition_widths, shard, unshard
@@ -72,7 +73,7 @@ def _identity(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tens
 def _sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     # A copy: the input may be a tensor autograd still holds (or an expanded gradient).
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    comm.all_reduce(out, group=group)
     return out
 
 
@@ -99,7 +100,7 @@ def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     rank, chunks = _even_chunks(x, dim, group)
     out = torch.empty_like(chunks[rank])
-    dist.reduce_scatter(out, chunks, group=group)
+    comm.reduce_scatter(out, chunks, group=group)
     return out
 
 
@@ -351,7 +352,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_BSv32 = logits_BSv.float()
         max_BS = logits_BSv32.max(dim=-1).values
         if is_parallel(group):
-            dist.all_reduce(max_BS, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(max_BS, op=dist.ReduceOp.MAX, group=group)
         # Shifted by the global max, exp cannot overflow.
         shifted_BSv = logits_BSv32 - max_BS.unsqueeze(-1)
         vocab_slice = logits_BSv.shape[-1]

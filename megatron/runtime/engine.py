@@ -10,8 +10,9 @@ shards (megatron/runtime/zero/) and the updated shards are gathered back into th
 parameters (stage 3: when next used).
 """
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.checkpoint.manifest import Manifest, RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.verify import read_checkpoint, verify_folder
+from megatron.comm import CommsLog
 from megatron.errors import ConfigError
 from megatron.parallel import ParallelGrid, all_reduce, is_parallel
 from megatron.placement import pipeline_shared, placement_of
@@ -41,6 +44,20 @@ from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.profiled_step import ProfiledStep
 from megatron.runtime.strategy import build_strategy
 from megatron.runtime.swap.swapped_adam import SwappedAdam
+from megatron.timers import timed
+
+NOT_RECORDING = nullcontext()
+
+
+def _records_comms(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The engine method with its ops going to the engine's communication log."""
+
+    @functools.wraps(method)
+    def recorded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        with self.comms_recording():
+            return method(self, *args, **kwargs)
+
+    return recorded
 
 
 class Engine:
@@ -75,10 +92,24 @@ class Engine:
         self.last_nonfinite: NonFiniteStep | None = None  # which ranks saw what, when the last step was skipped
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=parallel.device)  # no sync per micro-batch
         self.monitor = EngineMonitor(config, parallel.is_first_rank, parallel.device)
+        logged = config.comms_logger
+        self.comms_log = (
+            CommsLog(
+                logged.prof_all,
+                tuple(logged.prof_ops),
+                logged.verbose,
+                logged.debug,
+                prints=parallel.is_first_rank,
+                device=parallel.device,
+            )
+            if logged.enabled
+            else None
+        )
         if parallel.is_first_rank:
             for line in no_effect_notes(config):
                 print(line, flush=True)
-        self._broadcast_parameters()
+        with self.comms_recording():
+            self._broadcast_parameters()
         self.pipeline_shared = pipeline_shared(self.module)
         check_pipeline_sharing(config, self.pipeline_shared)
         self.strategy = build_strategy(self.module, self.optimizer, config, parallel)
@@ -98,7 +129,11 @@ class Engine:
         for tensor in self.module.state_dict(keep_vars=True).values():
             group = placement_of(tensor).replica_group(grid)
             if is_parallel(group):
-                dist.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
+                comm.broadcast(tensor.detach(), src=dist.get_global_rank(group, 0), group=group)
+
+    def comms_recording(self) -> AbstractContextManager[Any]:
+        """A context in which the ops issued go to the `comms_logger` block's log, if it is on."""
+        return NOT_RECORDING if self.comms_log is None else self.comms_log.recording()
 
     def whole_parameters(self) -> AbstractContextManager[Any]:
         """A context in which every parameter of the model holds its values (ZeRO-3 frees them
@@ -110,17 +145,19 @@ class Engine:
             return nullcontext()
         return torch.autocast(device_type=self.parallel.device.type, dtype=self.autocast_dtype)
 
+    @_records_comms
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.profiled_step is not None:
             self.profiled_step.before_forward(self.global_steps)
         self.monitor.start("forward")
-        with self.autocast(), self.strategy.forward_context():
+        with timed("forward-compute"), self.autocast(), self.strategy.forward_context():
             output = self.module(*args, **kwargs)
         self.monitor.stop("forward")
         return output
 
     __call__ = forward
 
+    @_records_comms
     def backward(
         self, loss: torch.Tensor, activation: torch.Tensor | None = None, activation_grad: torch.Tensor | None = None
     ) -> None:
@@ -129,6 +166,13 @@ class Engine:
         self.monitor.record_loss(loss)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach()).all()
         self.monitor.start("backward")
+        with timed("backward-compute"):
+            self._backward(loss, activation, activation_grad)
+        self.monitor.stop("backward")
+
+    def _backward(
+        self, loss: torch.Tensor, activation: torch.Tensor | None, activation_grad: torch.Tensor | None
+    ) -> None:
         scale = self.loss_scaler.scale / self.grad_predivisor
         self.strategy.before_backward(self.is_gradient_accumulation_boundary())
         scaled = loss * scale if scale != 1.0 else loss
@@ -141,7 +185,6 @@ class Engine:
                 grads.append(None)
             torch.autograd.backward(tensors, grads)
         self.strategy.after_backward()
-        self.monitor.stop("backward")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -149,6 +192,7 @@ class Engine:
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    @_records_comms
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary reduce, clip and update."""
         boundary = self.is_gradient_accumulation_boundary()
@@ -156,9 +200,20 @@ class Engine:
         if not boundary:
             return
         self.monitor.start("step")
-        for param in self.pipeline_shared:
-            all_reduce(param.grad, self.parallel.embedding_group)
-        dense_grads, expert_grads = self.strategy.reduce_gradients()
+        with timed("all-grads-sync"):
+            for param in self.pipeline_shared:
+                all_reduce(param.grad, self.parallel.embedding_group)
+            dense_grads, expert_grads = self.strategy.reduce_gradients()
+        with timed("optimizer"):
+            self._update(dense_grads, expert_grads)
+        self.global_steps += 1
+        self.monitor.stop("step")
+        self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
+        if self.profiled_step is not None:
+            self.profiled_step.after_step(self.global_steps)
+
+    def _update(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> None:
+        """Clip and step with the reduced gradients, or skip the step where they are not finite."""
         grads = dense_grads + expert_grads
         divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.grad_postdivisor
         sq_norm, grads_nonfinite = global_sq_norm(dense_grads, expert_grads, self.strategy, self.parallel)
@@ -191,11 +246,6 @@ class Engine:
         self.loss_scaler.update(self.last_step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
         self.strategy.zero_gradients()
-        self.global_steps += 1
-        self.monitor.stop("step")
-        self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
-        if self.profiled_step is not None:
-            self.profiled_step.after_step(self.global_steps)
 
     @property
     def precision(self) -> str:

@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from megatron import comm
 from megatron.parallel import ParallelGrid
 
 
@@ -34,7 +34,7 @@ def nonfinite_ranks(
     flags[2 * rank] = loss_nonfinite.float()
     flags[2 * rank + 1] = float(grads_nonfinite)
     if world > 1:
-        dist.all_reduce(flags)
+        comm.all_reduce(flags)
     loss_nonfinite.zero_()
     loss_ranks, grad_ranks = (torch.nonzero(flags[k::2]).flatten().tolist() for k in (0, 1))
     if not norm_finite and not grad_ranks:  # finite shares whose squares overflow together

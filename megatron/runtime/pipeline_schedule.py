@@ -5,6 +5,10 @@ Stage r of P first runs P - r - 1 forwards (warm-up), then alternates one forwar
 then runs the backwards left (cool-down); at most P - r micro-batches' activations are alive on a
 stage. Activations go to the next stage and gradients to the previous one by point-to-point sends,
 paired with the matching receive in one batch so that neighbours never wait on each other.
+
+The `pipeline-bubble` timer holds the receives that no compute of this stage can hide: the warm-up's
+and the first steady forward's inputs, and the cool-down's gradients (the waits for the stages
+before and after; on the first and last stage some of them are empty).
 """
 
 from collections import deque
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron import comm
+from megatron.timers import timed
 
 # forward(micro-batch index, input from the previous stage or None) -> what to send on (None on
 # the last stage) and what backward needs; backward(that, gradient from the next stage or None) ->
@@ -38,29 +45,35 @@ class StageLinks:
         if receive_from is not None:
             received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, received, receive_from))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
+        for work in comm.batch_isend_irecv(ops) if ops else []:
             work.wait()
         return received
 
     def recv_forward(self) -> torch.Tensor | None:
-        received = self._exchange(None, None, self.prev_rank)
+        with timed("forward-recv"):
+            received = self._exchange(None, None, self.prev_rank)
         return None if received is None else received.requires_grad_()
 
     def send_forward(self, activation: torch.Tensor | None) -> None:
-        self._exchange(activation, self.next_rank, None)
+        with timed("forward-send"):
+            self._exchange(activation, self.next_rank, None)
 
     def send_forward_recv_backward(self, activation: torch.Tensor | None) -> torch.Tensor | None:
-        return self._exchange(activation, self.next_rank, self.next_rank)
+        with timed("forward-send-backward-recv"):
+            return self._exchange(activation, self.next_rank, self.next_rank)
 
     def send_backward(self, grad: torch.Tensor | None) -> None:
-        self._exchange(grad, self.prev_rank, None)
+        with timed("backward-send"):
+            self._exchange(grad, self.prev_rank, None)
 
     def send_backward_recv_forward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        received = self._exchange(grad, self.prev_rank, self.prev_rank)
+        with timed("backward-send-forward-recv"):
+            received = self._exchange(grad, self.prev_rank, self.prev_rank)
         return None if received is None else received.requires_grad_()
 
     def recv_backward(self) -> torch.Tensor | None:
-        return self._exchange(None, None, self.next_rank)
+        with timed("backward-recv"):
+            return self._exchange(None, None, self.next_rank)
 
 
 def one_forward_one_backward(
@@ -70,11 +83,14 @@ def one_forward_one_backward(
     warmup = min(num_stages - stage - 1, num_microbatches)
     in_flight: deque[object] = deque()
     for index in range(warmup):
-        output, saved = forward(index, links.recv_forward())
+        with timed("pipeline-bubble"):
+            received = links.recv_forward()
+        output, saved = forward(index, received)
         links.send_forward(output)
         in_flight.append(saved)
     steady = num_microbatches - warmup
-    received = links.recv_forward() if steady else None
+    with timed("pipeline-bubble"):
+        received = links.recv_forward() if steady else None
     for index in range(steady):
         output, saved = forward(warmup + index, received)
         grad_output = links.send_forward_recv_backward(output)
@@ -85,7 +101,8 @@ def one_forward_one_backward(
         else:
             received = links.send_backward_recv_forward(grad_input)
     for _ in range(warmup):
-        grad_output = links.recv_backward()
+        with timed("pipeline-bubble"):
+            grad_output = links.recv_backward()
         links.send_backward(backward(in_flight.popleft(), grad_output))
 
 

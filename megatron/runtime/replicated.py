@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.checkpoint.tensors import ShardedReader, load_optimizer_entries, optimizer_entries
 from megatron.parallel import ParallelGrid, is_parallel
 from megatron.placement import expert_ids, gradient_kind
@@ -26,7 +27,7 @@ def sum_over(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for same_dtype in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in same_dtype])
-        dist.all_reduce(flat, group=group)
+        comm.all_reduce(flat, group=group)
         torch._foreach_copy_(
             same_dtype, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in same_dtype]), same_dtype)]
         )

@@ -12,6 +12,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.config.flags import ExitConfig
 from megatron.parallel import ParallelGrid
 
@@ -49,7 +50,7 @@ class ExitConditions:
             device=self.grid.device,
         )
         if self.grid.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, timed_out = bool(flags[0]), bool(flags[1])
         if signalled:
             return f"received {self.received or cfg.signal} (--exit-signal-handler)"

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.checkpoint.manifest import LogWindowRecord
+from megatron.comm.comms_log import OpTotal
+from megatron.timers import TimerReading
 from megatron.training.losses import Losses
 from megatron.training.moe_monitor import LayerLoad
 
@@ -176,6 +178,26 @@ class TrainingLogger:
                     bucket_counts=counts,
                     global_step=iteration,
                 )
+
+    def timer_lines(self, iteration: int, text: str, readings: list[TimerReading], to_tensorboard: bool) -> None:
+        """Megatron's timer block after the training line; with --log-timers-to-tensorboard each
+        timer's max across ranks as `<name>-time` (seconds per iteration)."""
+        if readings:
+            self.info(text)
+        if to_tensorboard:
+            self.scalars(iteration, {f"{reading.name}-time": reading.max_ms / 1000.0 for reading in readings})
+
+    def comms_totals(self, iteration: int, totals: list[OpTotal]) -> None:
+        """The communication log's per-op totals since the run began, as TensorBoard scalars."""
+        for total in totals:
+            self.scalars(
+                iteration,
+                {
+                    f"comms/{total.op}/count": total.count,
+                    f"comms/{total.op}/megabytes": total.bytes / 1e6,
+                    f"comms/{total.op}/latency-ms": 1000 * total.total_s,
+                },
+            )
 
     def evaluation_line(self, label: str, iteration: int, loss: float) -> None:
         ppl = math.exp(min(20.0, loss))

@@ -6,6 +6,7 @@ import shlex
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +39,7 @@ from megatron.runtime.engine import initialize
 from megatron.runtime.lr_schedules import AnnealingLR
 from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
+from megatron.timers import Timers, timed, untimed
 from megatron.tokenizer_spec import tokenizer_spec_of
 from megatron.training.distill import init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.training.exit_conditions import ExitConditions
@@ -124,6 +126,10 @@ class Trainer:
         )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor()
+        lg = config.logging
+        self.timers = (
+            Timers(lg.timing_log_level, lg.timing_log_option, grid.device) if lg.timing_log_level > 0 else None
+        )
         ckpt = config.checkpoint
         self.load_dir = ckpt.load
         if ckpt.moe_use_upcycling:
@@ -311,7 +317,10 @@ class Trainer:
         return iter(loader)
 
     def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> GPTBatch:
-        return gpt_batch(next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device)
+        with timed("batch-generator"):
+            return gpt_batch(
+                next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device
+            )
 
     def dp_mean(self, value: torch.Tensor) -> float:
         value = value.clone()
@@ -335,11 +344,15 @@ class Trainer:
         if self.grid.pp_size > 1:
             return self._pipeline_train_step(data_iter)
         total = Losses.zeros(self.grid.device)
-        for _ in range(self.engine.gradient_accumulation_steps):
-            step, objective = self._train_forward(self._batch(data_iter))
-            self.engine.backward(objective)
-            self.engine.step()
-            total = total + step.losses.detach()
+        micro_batches = self.engine.gradient_accumulation_steps
+        with timed("forward-backward"):
+            for index in range(micro_batches):
+                step, objective = self._train_forward(self._batch(data_iter))
+                self.engine.backward(objective)
+                if index < micro_batches - 1:  # the last one's is the update, after the timer
+                    self.engine.step()
+                total = total + step.losses.detach()
+        self.engine.step()
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
 
@@ -375,15 +388,20 @@ class Trainer:
                 engine.step()
             return None if hidden_BSH is None else hidden_BSH.grad
 
-        one_forward_one_backward(len(batches), grid.pp_rank, grid.pp_size, self._stage_links(), forward, backward)
+        with timed("forward-backward"):
+            one_forward_one_backward(len(batches), grid.pp_rank, grid.pp_size, self._stage_links(), forward, backward)
         engine.step()
         update_expert_biases(engine.module, grid.stage_group, step_taken=not engine.last_step_skipped)
         return total.summed_over(grid.pp_group) / len(batches)
 
-    @torch.no_grad()
     def evaluate(self, dataset: Any) -> float:
         """Mean LM loss over the first --eval-iters global batches of `dataset`, so every
         evaluation of a run sees the same tokens and the curve is comparable."""
+        with untimed():
+            return self._evaluate(dataset)
+
+    @torch.no_grad()
+    def _evaluate(self, dataset: Any) -> float:
         self.engine.module.eval()
         data_iter = self.loader(dataset, 0)
         total = torch.zeros((), device=self.grid.device)
@@ -423,7 +441,8 @@ class Trainer:
         )
         self.log.info(f" > saving checkpoint at iteration {self.iteration} to {self.config.checkpoint.save}")
         start = time.perf_counter()
-        path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, run)
+        with timed("save-checkpoint"):
+            path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, run)
         result.checkpoint = str(path)
         self.saved_iteration = self.iteration
         self.log.info(
@@ -458,9 +477,13 @@ class Trainer:
     def train(self) -> TrainResult:
         exits = ExitConditions(self.config.exit, self.grid)
         try:
-            return self._train(exits)
+            timing = self.timers.recording() if self.timers is not None else nullcontext()
+            with self.engine.comms_recording(), timing:  # the pipeline's sends and the loop's reductions too
+                return self._train(exits)
         finally:
             exits.close()
+            if self.engine.comms_log is not None:
+                self.engine.comms_log.log_summary()
 
     def _train(self, exits: ExitConditions) -> TrainResult:
         cfg, t = self.config, self.config.training
@@ -478,6 +501,7 @@ class Trainer:
         peak = peak_flops(self.grid.device, self.engine.autocast_dtype or torch.float32, cfg.logging.peak_tflops)
         self.log.info(f" > MFU in the log is against {peak.tflops:.3f} TFLOP/s per rank, from {peak.source}")
         window = self.window  # read back once per log interval: no per-step sync
+        to_tensorboard = cfg.logging.log_timers_to_tensorboard
         interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps - window.skipped
         while self.iteration < t.train_iters:
             window.losses.append(self.train_step(data_iter))
@@ -522,6 +546,11 @@ class Trainer:
                     ),
                 )
                 self.log.moe_lines(self.iteration, self.moe_monitor.report(self.grid.stage_group, self.grid.pp_group))
+                if self.engine.comms_log is not None:
+                    self.log.comms_totals(self.iteration, self.engine.comms_log.totals())
+                if self.timers is not None:  # every rank's, so every rank reads them
+                    readings = self.timers.readings(len(window.losses) - window.carried)
+                    self.log.timer_lines(self.iteration, self.timers.log_text(readings), readings, to_tensorboard)
                 if not exit_reason:  # the exit's save keeps the window: the resumed run's next line is this run's
                     self.window = window = LogWindow()
                     interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps

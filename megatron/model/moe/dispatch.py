@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.model.moe.router import Gating
+from megatron.timers import timed
 
 
 class _AllToAll(torch.autograd.Function):
@@ -25,27 +27,29 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, timer: str
     ) -> torch.Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
+        ctx.splits, ctx.group, ctx.timer = (in_splits, out_splits), group, timer
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with timed(timer):
+            comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty(sum(out_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=ctx.group)
-        return back, None, None, None
+        with timed(ctx.timer):
+            comm.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=ctx.group)
+        return back, None, None, None, None
 
 
 def exchange_rows(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, timer: str
 ) -> torch.Tensor:
     """Rows `in_splits[r]` of x to rank r, `out_splits[r]` rows from it, concatenated in rank order;
-    the backward sends the gradients back the same way."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    the backward sends the gradients back the same way. Both count under the timer named."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, timer)
 
 
 @dataclass
@@ -93,7 +97,7 @@ def exchange_counts(gating: Gating, num_experts: int, group: dist.ProcessGroup) 
     kept_N = (gating.positions.flatten() >= 0).long()
     send_E = kept_N.new_zeros(num_experts).scatter_add_(0, gating.expert_ids.flatten(), kept_N)
     recv_PEl = torch.empty_like(send_E)
-    return ExpertCounts(send_E, recv_PEl, dist.all_to_all_single(recv_PEl, send_E, group=group, async_op=True))
+    return ExpertCounts(send_E, recv_PEl, comm.all_to_all_single(recv_PEl, send_E, group=group, async_op=True))
 
 
 def send_to_expert_ranks(
@@ -110,14 +114,15 @@ def send_to_expert_ranks(
     send, recv = _rows_of(host[:half], local_experts), _rows_of(host[half:], local_experts)
     routes.send_splits, routes.recv_splits = [sum(row) for row in send], [sum(row) for row in recv]
     routes.recv_blocks = recv
-    received_RH = exchange_rows(x_NH, routes.recv_splits, routes.send_splits, group)
+    received_RH = exchange_rows(x_NH, routes.recv_splits, routes.send_splits, group, "moe-dispatch-all-to-all")
     return transpose_blocks(received_RH, recv), counts.recv_PEl.view(ranks, local_experts).sum(0)
 
 
 def return_from_expert_ranks(y_RH: torch.Tensor, routes: Routes, group: dist.ProcessGroup) -> torch.Tensor:
     """Undo `send_to_expert_ranks`: rows [N, H] in this rank's sorted order again."""
     by_expert = [list(column) for column in zip(*routes.recv_blocks)]
-    return exchange_rows(transpose_blocks(y_RH, by_expert), routes.send_splits, routes.recv_splits, group)
+    y_NH = transpose_blocks(y_RH, by_expert)
+    return exchange_rows(y_NH, routes.send_splits, routes.recv_splits, group, "moe-combine-all-to-all")
 
 
 def _rows_of(values: list[int], width: int) -> list[list[int]]:

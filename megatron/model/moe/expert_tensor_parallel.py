@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.model.moe.dispatch import exchange_rows, transpose_blocks
 
 
@@ -37,10 +38,12 @@ def gather_rows(
     and their layout."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     counts_GE = [torch.empty_like(counts_El) for _ in range(size)]
-    dist.all_gather(counts_GE, counts_El.contiguous(), group=group)
+    comm.all_gather(counts_GE, counts_El.contiguous(), group=group)
     stacked_GE = torch.stack(counts_GE)
     blocks_GE = stacked_GE.tolist()
-    received_QH = exchange_rows(x_RH.repeat(size, 1), [sum(row) for row in blocks_GE], [len(x_RH)] * size, group)
+    received_QH = exchange_rows(
+        x_RH.repeat(size, 1), [sum(row) for row in blocks_GE], [len(x_RH)] * size, group, "moe-dispatch-all-to-all"
+    )
     return transpose_blocks(received_QH, blocks_GE), stacked_GE.sum(0), GroupRows(blocks_GE, rank)
 
 
@@ -49,5 +52,6 @@ def sum_rows(partial_QH: torch.Tensor, layout: GroupRows, group: dist.ProcessGro
     by_expert_EG = [list(column) for column in zip(*layout.blocks_GE)]
     by_rank_QH = transpose_blocks(partial_QH, by_expert_EG)
     rows, size = sum(layout.blocks_GE[layout.rank]), len(layout.blocks_GE)
-    received_GRH = exchange_rows(by_rank_QH, [rows] * size, [sum(row) for row in layout.blocks_GE], group)
+    splits = [sum(row) for row in layout.blocks_GE]
+    received_GRH = exchange_rows(by_rank_QH, [rows] * size, splits, group, "moe-combine-all-to-all")
     return received_GRH.view(size, rows, partial_QH.shape[1]).sum(0)

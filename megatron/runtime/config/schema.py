@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, ValidationError
 
+from megatron.comm.comms_log import check_op_names
 from megatron.errors import ConfigError
 from megatron.runtime.config.combinations import refuse_contradictions
 from megatron.runtime.config.config_file import read_config_source
@@ -251,6 +252,20 @@ class FlopsProfilerConfig(Section):
             raise ValueError(f"module_depth {self.module_depth} is below -1; give -1 (every depth) or a depth")
 
 
+class CommsLoggerConfig(Section):
+    """DeepSpeed's `comms_logger` block (megatron/comm/comms_log.py): every op, or those named in
+    `prof_ops` when `prof_all` is off; `verbose` prints each op; `debug` adds its caller's name."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: list[str] = Field(default_factory=list)
+    debug: bool = False
+
+    def model_post_init(self, context: Any) -> None:
+        check_op_names(self.prof_ops)
+
+
 class RuntimeConfig(TopLevelKeys):
     train_batch_size: PositiveCount | None = None
     train_micro_batch_size_per_gpu: PositiveCount | None = None
@@ -275,6 +290,7 @@ class RuntimeConfig(TopLevelKeys):
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     aio: AioConfig = AioConfig()
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
+    comms_logger: CommsLoggerConfig = CommsLoggerConfig()
 
     @property
     def precision(self) -> str:

@@ -29,6 +29,7 @@ from megatron.checkpoint.checksum import BLOCK_BYTES, block_sums
 from megatron.errors import UserError
 from megatron.ops.aio import aio_handle
 from megatron.runtime.config.schema import AioConfig
+from megatron.timers import timed
 
 ALIGN = 1024  # elements: 4 KiB of fp32, O_DIRECT's alignment
 
@@ -121,7 +122,8 @@ class IoSlot:
 
     def write(self, tensor: torch.Tensor, file: SwapFile, byte_offset: int = 0) -> None:
         """Write `tensor` now, not through the async queue."""
-        self._transfer(self.writer.sync_pwrite, tensor, file, byte_offset)
+        with timed("nvme-swap-write"):
+            self._transfer(self.writer.sync_pwrite, tensor, file, byte_offset)
         file.record(tensor, byte_offset)
 
     def finish_read(self, before_check: Callable[[], None] | None = None) -> None:
@@ -129,7 +131,8 @@ class IoSlot:
         takes a while), and check what they brought."""
         reads, self.reads = self.reads, []
         if reads:
-            self._wait(self.reader, [file for _, file, _ in reads])
+            with timed("nvme-swap-read"):
+                self._wait(self.reader, [file for _, file, _ in reads])
         if before_check is not None:
             before_check()
         for tensor, file, byte_offset in reads:
@@ -138,7 +141,8 @@ class IoSlot:
     def finish_write(self) -> None:
         writing, self.writing = self.writing, []
         if writing:
-            self._wait(self.writer, writing)
+            with timed("nvme-swap-write"):
+                self._wait(self.writer, writing)
 
     def _wait(self, handle: aio_handle, files: list[SwapFile]) -> None:
         try:

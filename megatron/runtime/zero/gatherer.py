@@ -33,6 +33,7 @@ from megatron.runtime.config.schema import ZeroConfig
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 from megatron.runtime.zero.param_partition import ParamPartition
 from megatron.runtime.zero.residency import BucketEvent, GathererPhase, Residency, ResidencyLedger, StepEvent
+from megatron.timers import timed
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,10 +150,11 @@ class ParameterGatherer:
         return self.ledger.peak_live_numel
 
     def _gather_now(self, unit: _Unit) -> None:
-        if self.state(unit) is Residency.FREE:
-            self._start(unit, async_op=False)
-        if self.state(unit) is Residency.GATHERING:
-            self._finish(unit)
+        with timed("params-all-gather"):  # the time the compute waits for its parameters
+            if self.state(unit) is Residency.FREE:
+                self._start(unit, async_op=False)
+            if self.state(unit) is Residency.GATHERING:
+                self._finish(unit)
 
     def _start(self, unit: _Unit, async_op: bool) -> None:
         while not unit.part.ready_to_gather(unit.bucket):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.placement import expert_ids, tensor_parallel_split
 from megatron.tensor_split import TensorParallelSplit
 
@@ -170,7 +171,7 @@ class PartitionLayout:
         for index in bucket.params:
             self.params[index].grad = None
         received = torch.empty(bucket.chunk, dtype=self.dtype, device=self.device)
-        work = dist.reduce_scatter_single(received, full, group=self.group, async_op=async_op)
+        work = comm.reduce_scatter_tensor(received, full, group=self.group, async_op=async_op)
         return work, lambda: slot.add_(received)
 
     def pieces(self) -> Iterator[Piece]:

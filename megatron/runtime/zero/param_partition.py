@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.runtime.swap.param_store import ParamSwapper, ShardStore
 from megatron.runtime.swap.slots import IoSlot
 from megatron.runtime.zero.buffer_pool import BufferPool
@@ -85,7 +86,7 @@ class ParamPartition(PartitionLayout):
         full = self.pool.take(chunk.numel() * self.size, torch.float32, self.device)
         if self.size == 1:
             return full.copy_(chunk), None
-        return full, dist.all_gather_single(full, chunk, group=self.group, async_op=async_op)
+        return full, comm.all_gather_into_tensor(full, chunk, group=self.group, async_op=async_op)
 
     def _attach(self, bucket: Bucket, full: torch.Tensor) -> None:
         values = full

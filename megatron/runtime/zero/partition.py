@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.runtime.zero.layout import Bucket, PartitionLayout
 
 Reduction = tuple[dist.Work | None, Callable[[], None] | None]
@@ -93,12 +94,12 @@ class FlatPartition(PartitionLayout):
         if self.size == 1:
             return None, lambda: slot.copy_(full)
         if not self.reduce_scatter:
-            work = dist.all_reduce(full, group=self.group, async_op=async_op)
+            work = comm.all_reduce(full, group=self.group, async_op=async_op)
             return work, lambda: slot.copy_(full.view(self.size, -1)[self.rank])
         if slot.dtype == full.dtype:
-            return dist.reduce_scatter_single(slot, full, group=self.group, async_op=async_op), None
+            return comm.reduce_scatter_tensor(slot, full, group=self.group, async_op=async_op), None
         received = torch.empty(bucket.chunk, dtype=full.dtype, device=full.device)
-        work = dist.reduce_scatter_single(received, full, group=self.group, async_op=async_op)
+        work = comm.reduce_scatter_tensor(received, full, group=self.group, async_op=async_op)
         return work, lambda: slot.copy_(received)
 
     @torch.no_grad()
@@ -123,8 +124,8 @@ class FlatPartition(PartitionLayout):
             if self.size == 1:
                 full.copy_(chunk)
             elif full.dtype == chunk.dtype:
-                dist.all_gather_single(full, chunk, group=self.group)
+                comm.all_gather_into_tensor(full, chunk, group=self.group)
             else:  # a low-precision model: gather the fp32 master, then round once
                 gathered = torch.empty(full.numel(), dtype=chunk.dtype, device=chunk.device)
-                dist.all_gather_single(gathered, chunk, group=self.group)
+                comm.all_gather_into_tensor(gathered, chunk, group=self.group)
                 full.copy_(gathered)

@@ -32,6 +32,7 @@ from megatron.runtime.zero.layout import PartitionLayout, buckets_by_size
 from megatron.runtime.zero.param_partition import ParamPartition
 from megatron.runtime.zero.partition import FlatPartition
 from megatron.runtime.zero.reducer import BucketReducer
+from megatron.timers import timed
 
 
 def buckets_by_module(params: list[nn.Parameter], owner: dict[nn.Parameter, nn.Module]) -> list[list[int]]:
@@ -153,9 +154,10 @@ class ZeroRuntime:
 
     def after_step(self) -> None:
         """Bring the updated shards back into the model's parameters."""
-        for part in self.partitions:
-            if isinstance(part, FlatPartition):
-                part.gather_parameters()
+        with timed("params-all-gather"):
+            for part in self.partitions:
+                if isinstance(part, FlatPartition):
+                    part.gather_parameters()
         if self.gatherer is not None:
             self.gatherer.end_step()
 
