@@ -21,7 +21,7 @@ TIERS = {
         load_config_check memory run_end_faults runtime""",
     "distributed": """comms_logger config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop
         long_runs model_size moe_ep_dispatch moe_layer moe_router_options moe_training offload parallel_grid
-        pipeline_parallel_training save_lock swap_integrity tensor_parallel tensor_parallel_model
+        pipeline_parallel_training profiler_ranks save_lock swap_integrity tensor_parallel tensor_parallel_model
         tensor_parallel_training timers training upcycling zero""",
     "tools": """aio docs_commands hf_tokenizer_check lr_range_tool plotting preemption_with_workers preprocess_inputs
         preprocess_tools recipes setup thread_choice tool_behaviour""",

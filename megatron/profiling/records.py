@@ -47,11 +47,23 @@ class ModuleProfile:
 
 
 @dataclass(frozen=True)
+class RankTotals:
+    """One rank's part of a profiled step (under TP, PP and EP each rank profiles its own)."""
+
+    rank: int
+    params: int
+    fwd_flops: int
+    fwd_latency_s: float
+    iteration_s: float
+
+
+@dataclass(frozen=True)
 class StepTimes:
     """A whole training step around the profiled forwards, as the engine saw it."""
 
     iteration_s: float  # from the step's first forward to the end of its optimizer step
     samples: int  # the step's global batch
+    ranks: tuple[RankTotals, ...] = ()  # every rank's, in rank order, when there are several
 
 
 @dataclass

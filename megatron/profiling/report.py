@@ -56,7 +56,7 @@ def profile_text(
 ) -> str:
     """What print_model_profile prints. `module_depth` -1 reaches every depth."""
     deepest = max(depth for depth, _ in _walk(root)) if module_depth < 0 else module_depth
-    lines = _summary(root, header) + _top_modules(root, deepest, top_modules)
+    lines = _summary(root, header) + _rank_lines(header) + _top_modules(root, deepest, top_modules)
     if detailed:
         lines += ["", "Modules (params, MACs, FLOPs = GEMM + other, fwd latency, FLOP/s; % of the model's):"]
         lines += _tree_lines(root, root, "", 0, deepest)
@@ -104,6 +104,29 @@ def _summary(root: ModuleProfile, header: ProfileHeader) -> list[str]:
         "element of elementwise, normalisation, softmax and reduction ops (other); latency: wall time"
     )
     return [title.center(100, "-"), notation, ""] + [f"{label + ':':<{width}}{value}" for label, value in rows]
+
+
+def _rank_lines(header: ProfileHeader) -> list[str]:
+    """Every rank's part of the step, their sum and the slowest rank (the one the others wait for)."""
+    ranks = header.times.ranks if header.times is not None else ()
+    if len(ranks) < 2:
+        return []
+    lines = ["", "Every rank's part (params and FLOPs of its own modules; replicas each counted):"]
+    lines.append(f"{'rank':>6}{'params':>14}{'fwd FLOPs':>14}{'fwd latency':>14}{'iteration':>14}")
+    for r in ranks:
+        lines.append(
+            f"{r.rank:>6}{params_to_string(r.params):>14}{number_to_string(r.fwd_flops):>14}"
+            f"{duration_to_string(r.fwd_latency_s):>14}{duration_to_string(r.iteration_s):>14}"
+        )
+    params, flops = sum(r.params for r in ranks), sum(r.fwd_flops for r in ranks)
+    lines.append(f"{'sum':>6}{params_to_string(params):>14}{number_to_string(flops):>14}")
+    slowest, fastest = max(ranks, key=lambda r: r.iteration_s), min(ranks, key=lambda r: r.iteration_s)
+    lines.append(
+        f"slowest rank: {slowest.rank}, iteration {duration_to_string(slowest.iteration_s)} "
+        f"({_percent(slowest.iteration_s - fastest.iteration_s, fastest.iteration_s)} above the fastest, rank "
+        f"{fastest.rank}); slowest forward: rank {max(ranks, key=lambda r: r.fwd_latency_s).rank}"
+    )
+    return lines
 
 
 def _top_modules(root: ModuleProfile, deepest: int, top: int) -> list[str]:

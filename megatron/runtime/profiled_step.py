@@ -2,7 +2,8 @@
 `profile_step` (the engine's global_steps when they run, counted from 0) are profiled, every
 micro-batch of that step included, and once that step's optimizer step is taken the first rank
 prints the profile (to `output_file` if given) and the profiler's hooks are removed. Other steps
-run without any hook."""
+run without any hook. Under TP, PP and EP each rank profiles its own modules; the first rank's
+profile adds every rank's totals, their sum and the slowest rank."""
 
 import time
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from megatron.parallel import ParallelGrid
 from megatron.profiling.flops_profiler import EngineLike, FlopsProfiler
-from megatron.profiling.records import StepTimes
+from megatron.profiling.records import RankTotals, StepTimes
 from megatron.runtime.config.schema import FlopsProfilerConfig
 
 
@@ -36,8 +37,11 @@ class ProfiledStep:
         """Called with the steps taken so far, the one just taken included."""
         if global_steps != self.config.profile_step + 1 or not self.profiler.started:
             return
-        times = StepTimes(self._now() - self.began, self.samples)
+        iteration_s = self._now() - self.began
         self.profiler.stop_profile()
+        root = self.profiler.module_profile()
+        mine = RankTotals(self.grid.rank, root.params, root.cost.flops, root.duration_s, iteration_s)
+        times = StepTimes(iteration_s, self.samples, tuple(self.grid.gather_from_all(mine)))
         if self.grid.is_first_rank:
             c = self.config
             self.profiler.print_model_profile(
