@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron.cli import (
+    autotune,
     convert_checkpoint,
     ds_io,
     ds_nvme_tune,
@@ -39,6 +40,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "tools/evaluate_ppl.py": evaluate_ppl.build_parser,
     "tools/checkpoint/convert.py": convert_checkpoint.build_parser,
     "tools/model_size.py": model_size.build_size_parser,
+    "tools/autotune.py": autotune.build_autotune_parser,
     "tools/quality_study.py": quality_study.build_parser,
     "tools/balancing_study.py": balancing_study.build_parser,
     "tasks/eval_harness/evaluate.py": evaluate.build_parser,
@@ -85,8 +87,8 @@ def tool_and_flags(words: list[str], known: dict[str, set[str]]) -> tuple[str, l
     pretrain_gpt.py command. None for any other program (make, pip, cd, ...)."""
     if words[0] == "...":
         return "pretrain_gpt.py", [w.split("=", 1)[0] for w in words if w.startswith("--")]
-    for i, word in enumerate(words):
-        script = next((s for s in known if word == s or word.endswith("/" + s)), None)
+    for i in reversed(range(len(words))):  # the last: tools/autotune.py's flags come before the script it runs
+        script = next((s for s in known if words[i] == s or words[i].endswith("/" + s)), None)
         if script is not None:
             return script, [w.split("=", 1)[0] for w in words[i + 1 :] if w.startswith("--")]
     return None

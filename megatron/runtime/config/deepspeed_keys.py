@@ -169,7 +169,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
     *(
         Unbuilt((key,), feature, _enabled)
         for key, feature in (
-            ("autotuning", "the autotuner"),
             ("wandb", "Weights & Biases logging"),
             ("csv_monitor", "the CSV monitor"),
             ("comet", "Comet logging"),
@@ -282,7 +281,6 @@ class TopLevelKeys(Section):
     timers: Block | None = None
     compile: Block | None = None
     data_types: Block | None = None
-    autotuning: Block | None = None
     wandb: Block | None = None
     csv_monitor: Block | None = None
     comet: Block | None = None

@@ -266,6 +266,43 @@ class CommsLoggerConfig(Section):
         check_op_names(self.prof_ops)
 
 
+class AutotuningConfig(Section):
+    """DeepSpeed's `autotuning` block, read by the autotuner (tools/autotune.py --autotuning tune|run,
+    megatron/autotuning/); a training run itself ignores it. DeepSpeed's keys and defaults; its
+    model-based tuner is not built (gridsearch and random are); `mp_size` must be the flags' TP x PP."""
+
+    enabled: bool = False
+    metric: Literal["throughput", "latency", "flops"] = "throughput"
+    start_profile_step: PositiveCount = 3  # the iterations after this one, up to end_profile_step, are measured
+    end_profile_step: PositiveCount = 5
+    fast: bool = True  # activation checkpointing and offload tried only where a setting without them cannot fit
+    tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
+    tuner_num_trials: PositiveCount = 50
+    tuner_early_stopping: PositiveCount = 5  # trials in a row without a better one, then stop
+    max_train_batch_size: PositiveCount | None = None
+    mp_size: PositiveCount = 1
+    min_train_micro_batch_size_per_gpu: PositiveCount = 1
+    max_train_micro_batch_size_per_gpu: PositiveCount = 1024
+    num_tuning_micro_batch_sizes: PositiveCount = 3
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = True  # False: a trial whose result is in exps_dir is not run again
+    arg_mappings: dict[str, str] | None = None  # DeepSpeed's ds_config -> script flag table: known here
+
+    def model_post_init(self, context: Any) -> None:
+        if self.tuner_type == "model_based":
+            raise ValueError(
+                "tuner_type model_based (DeepSpeed's XGBoost cost model) is not built here; use gridsearch or random"
+            )
+        if self.end_profile_step <= self.start_profile_step:
+            raise ValueError(
+                f"end_profile_step {self.end_profile_step} is not after start_profile_step "
+                f"{self.start_profile_step}; the iterations between them are the ones measured"
+            )
+        if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
+            raise ValueError("max_train_micro_batch_size_per_gpu is below min_train_micro_batch_size_per_gpu")
+
+
 class RuntimeConfig(TopLevelKeys):
     train_batch_size: PositiveCount | None = None
     train_micro_batch_size_per_gpu: PositiveCount | None = None
@@ -291,6 +328,7 @@ class RuntimeConfig(TopLevelKeys):
     aio: AioConfig = AioConfig()
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
+    autotuning: AutotuningConfig = AutotuningConfig()
 
     @property
     def precision(self) -> str:
