@@ -19,7 +19,7 @@ from megatron.parallel import build_parallel_grid
 from megatron.training.log import TrainingLogger
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_flags, write_corpus
+from tests.training_fixtures import moe_layout_flags, write_corpus
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -64,17 +64,8 @@ def _count_torch_calls(counted: Counter) -> None:
 
 def _logged_and_counted(corpus: str, ds_config: str, tensorboard: str) -> dict[str, torch.Tensor]:
     grid = build_parallel_grid(torch.device("cpu"), ep_size=2)
-    flags = tiny_flags(
-        corpus,
-        num_experts=4,
-        moe_expert_parallel_size=2,
-        micro_batch_size=1,
-        global_batch_size=4,
-        train_iters=3,
-        log_interval=3,
-        eval_interval=100,
-        tensorboard_dir=tensorboard if grid.rank == 0 else None,
-    )
+    tensorboard_dir = tensorboard if grid.rank == 0 else None
+    flags = moe_layout_flags(corpus, ep=2, train_iters=3, log_interval=3, tensorboard_dir=tensorboard_dir)
     config = with_data_parallel_size(parse_args(flags + ["--deepspeed", "--deepspeed_config", ds_config]), 2)
     trainer = Trainer(config, grid)
     trainer.engine.comms_log.reset()  # the engine's first broadcast: before the counting began

@@ -13,7 +13,7 @@ from megatron.parallel import build_parallel_grid
 from megatron.profiling.report import _PREFIXES
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_flags, write_corpus
+from tests.training_fixtures import moe_layout_flags, write_corpus
 
 SCALE = dict(_PREFIXES)
 
@@ -26,18 +26,7 @@ def _profiled(corpus: str, folder: str, pp: int, ep: int) -> dict[str, torch.Ten
         with open(ds_config, "w") as file:
             json.dump({"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": profile}}, file)
     grid.barrier()
-    flags = tiny_flags(
-        corpus,
-        num_experts=4,
-        moe_expert_parallel_size=ep,
-        pipeline_model_parallel_size=pp,
-        micro_batch_size=1,
-        global_batch_size=4 if ep == 1 else 8,
-        train_iters=3,
-        eval_interval=100,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    flags = moe_layout_flags(corpus, pp, ep, global_batch_size=4 if ep == 1 else 8, train_iters=3)
     config = with_data_parallel_size(parse_args(flags + ["--deepspeed", "--deepspeed_config", ds_config]), grid.dp_size)
     Trainer(config, grid).train()
     return {}

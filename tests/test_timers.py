@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.parallel import build_parallel_grid
@@ -13,7 +14,7 @@ from megatron.timers import INSTALLED, LEVELS, OFF, TimerReading, Timers, timed,
 from megatron.training.loop import Trainer
 from megatron.training.step import forward_step
 from tests.dist_utils import run_distributed
-from tests.training_fixtures import tiny_flags, write_corpus
+from tests.training_fixtures import moe_layout_flags, write_corpus
 
 
 def test_nothing_installed_or_above_the_level_is_the_shared_empty_context():
@@ -63,21 +64,10 @@ def test_the_three_log_options_print_megatrons_blocks():
 def _losses_and_timers(corpus: str, level: int, option: str, layout: str, swap_dir: str) -> dict[str, torch.Tensor]:
     pp, ep = (2, 1) if layout == "pp2" else (1, 2)
     grid = build_parallel_grid(torch.device("cpu"), pp_size=pp, ep_size=ep)
-    flags = tiny_flags(
-        corpus,
-        num_experts=4,
-        moe_expert_parallel_size=ep,
-        pipeline_model_parallel_size=pp,
-        micro_batch_size=1,
-        global_batch_size=4,
-        train_iters=4,
-        log_interval=2,
-        eval_interval=100,
-        timing_log_level=level,
-        timing_log_option=option,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    flags = moe_layout_flags(
+        corpus, pp, ep, train_iters=4, log_interval=2, timing_log_level=level, timing_log_option=option,
+        tensorboard_dir=f"{swap_dir}/tb{level}" if grid.rank == 0 else None, log_timers_to_tensorboard=True,
+    )  # fmt: skip
     if layout == "ep2-zero3-nvme":
         path = f"{swap_dir}/ds_{level}.json"
         zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": f"{swap_dir}/swap{level}"}}
@@ -135,3 +125,5 @@ def test_timers_on_and_off_give_the_same_losses_and_log_every_part(tmp_path, cap
     assert expected <= logged, expected - logged
     if option == "all":
         assert "     rank  1: " in printed
+    scalars = EventAccumulator(str(tmp_path / "tb2")).Reload().Tags()["scalars"]
+    assert {f"{name}-time" for name in expected} <= set(scalars)  # --log-timers-to-tensorboard

@@ -74,6 +74,22 @@ def tiny_flags(data_prefix: str, **overrides: object) -> list[str]:
     return argv
 
 
+def moe_layout_flags(data_prefix: str, pp: int = 1, ep: int = 1, **overrides: object) -> list[str]:
+    """tiny_flags for a 4-expert MoE GPT over `pp` pipeline stages and `ep` expert-parallel ranks:
+    one sample a micro-batch, no dropout, evaluation only at the end."""
+    layout: dict[str, object] = {
+        "num_experts": 4,
+        "moe_expert_parallel_size": ep,
+        "pipeline_model_parallel_size": pp,
+        "micro_batch_size": 1,
+        "global_batch_size": 4,
+        "eval_interval": 100,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+    return tiny_flags(data_prefix, **{**layout, **overrides})
+
+
 # today's MoE architecture, for tests that check it composes with a feature: SwiGLU bias-free fine-grained and
 # shared experts, sigmoid routing with expert bias, RMSNorm, GQA, rope, an untied output layer
 MODERN_MOE = {
