@@ -81,6 +81,7 @@ setup(
             "megatron-pretrain-gpt=megatron.cli.pretrain_gpt:main",
             "megatron-preprocess-data=megatron.cli.preprocess_data:main",
             "megatron-train-tokenizer=megatron.cli.train_tokenizer:main",
+            "megatron-autotune=megatron.cli.autotune:main",
             "ds_io=megatron.cli.ds_io:main",
             "ds_nvme_tune=megatron.cli.ds_nvme_tune:main",
         ]

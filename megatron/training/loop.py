@@ -479,11 +479,12 @@ class Trainer:
         try:
             timing = self.timers.recording() if self.timers is not None else nullcontext()
             with self.engine.comms_recording(), timing:  # the pipeline's sends and the loop's reductions too
-                return self._train(exits)
+                result = self._train(exits)
         finally:
             exits.close()
-            if self.engine.comms_log is not None:
-                self.engine.comms_log.log_summary()
+        if self.engine.comms_log is not None:
+            self.engine.comms_log.log_summary()
+        return result
 
     def _train(self, exits: ExitConditions) -> TrainResult:
         cfg, t = self.config, self.config.training
