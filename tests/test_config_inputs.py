@@ -97,7 +97,7 @@ BAD_CONFIGS = [
     ),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"scheduler WarmupDecayLR needs total_num_steps"),
     ({"tensorboard": {"enabled": True, "output_pth": "tb"}}, r"unknown key 'tensorboard.output_pth' .* 'output_path'"),
-    ('{"fp16": {enabled: true}}', r"cannot read the runtime config .*ds.json"),
+    ('{"fp16": {"enabled": }}', r"cannot read the runtime config .*ds.json: expected a value at line 1 column 22"),
     ("[1, 2]", r"must hold a JSON object"),
 ]
 

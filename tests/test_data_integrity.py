@@ -175,12 +175,17 @@ BAD_DOC_IDX = r"d\.idx has a corrupt document index \(it must start at 0, never 
             np.int32,
             ".idx",
             at(17, np.array([7], np.uint8)),
-            r"d\.idx declares unknown dtype code 7 "
-            r"\(token codes: 1, 2, 3, 4, 5, 8\); the file is corrupt, regenerate it",
+            r"d\.idx declares float32 tokens \(Megatron's dtype code 7\), but token data must be integers; "
+            r"preprocess the text again with tools/preprocess_data\.py",
             id="float32 code",
         ),
+        pytest.param(np.int64, ".idx", at(17, np.array([6], np.uint8)), r"declares float64 tokens", id="float64 code"),
         pytest.param(
-            np.int64, ".idx", at(17, np.array([6], np.uint8)), r"declares unknown dtype code 6 ", id="float64 code"
+            np.int64,
+            ".idx",
+            at(17, np.array([9], np.uint8)),
+            r"d\.idx declares unknown dtype code 9 \(token codes: 1, 2, 3, 4, 5, 8\); the file is corrupt, regenerate it",
+            id="unknown code",
         ),
         pytest.param(
             np.uint16,

@@ -15,6 +15,7 @@ from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid, single_process_grid
 from megatron.runtime import initialize
 from megatron.runtime.config.deepspeed_keys import HINTS, UNBUILT, no_effect_notes
+from megatron.runtime.config.hjson_text import HjsonError, parse_hjson
 from megatron.runtime.config.schema import RuntimeConfig, load_runtime_config
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from tests.dist_utils import run_distributed
@@ -163,6 +164,27 @@ CONFIGS = [
         '{"train_batch_size": 4, "data_efficiency": {"enabled": false, "seed": 1234,'
         ' "data_routing": {"enabled": false, "random_ltd": {"enabled": false}}}}',
         {},
+        ["data_efficiency"],
+    ),
+    (
+        "data efficiency's umbrella on, both features off (Megatron-DeepSpeed's baseline templates)",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": true, "seed": 1234,'
+        ' "data_routing": {"enabled": true, "random_ltd": {"enabled": false}},'
+        ' "data_sampling": {"enabled": true, "num_workers": 0, "curriculum_learning": {"enabled": false}}}}',
+        {},
+        ["data_efficiency"],
+    ),
+    (
+        "curriculum sampling on",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": true,'
+        ' "data_sampling": {"enabled": true, "curriculum_learning": {"enabled": true}}}}',
+        "data_efficiency in .* turns on data efficiency's curriculum sampling or random-LTD",
+        [],
+    ),
+    (
+        "an optimizer's max_grad_norm",
+        '{"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}',
+        "max_grad_norm is not an optimizer parameter; clip with the top-level gradient_clipping key instead",
         [],
     ),
     (
@@ -305,10 +327,28 @@ CONFIGS = [
         [],
     ),
     (
-        "hjson's unquoted keys",
-        "{train_batch_size: 4}",
-        r"at line 1 column 2; it must be JSON, with comments and "
-        r"trailing commas allowed \(quote every key and string\)",
+        "hjson: unquoted keys and strings, line breaks for commas (DeepSpeed reads its configs with hjson)",
+        "# a comment\n{\n  train_batch_size: 4\n  optimizer: {\n    type: Lamb\n    params: {lr: 2e-3, betas: [0.9, 0.95]}\n"
+        "  }\n  /* block */ fp16: {enabled: false}\n}\n",
+        {"train_batch_size": 4, "optimizer.type": "Lamb", "optimizer.params.lr": 2e-3},
+        [],
+    ),
+    (
+        "hjson without its root braces",
+        "train_batch_size: 4\nsteps_per_print: 7\n",
+        {"train_batch_size": 4, "steps_per_print": 7},
+        [],
+    ),
+    (
+        "neither JSON nor Hjson",
+        "{train_batch_size: 4\n  optimizer: {type: Adam}\n",
+        r"cannot read the runtime config .*: expected a key at line 3 column 1; it must be JSON or Hjson",
+        [],
+    ),
+    (
+        "a key twice in Hjson",
+        "{\n  train_batch_size: 4\n  train_batch_size: 8\n}",
+        "key 'train_batch_size' appears twice in one block; keep one of them",
         [],
     ),
 ]
@@ -477,8 +517,8 @@ def test_comments_and_trailing_commas_keep_line_numbers(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{\n /* two\n lines */\n "train_batch_size": 4,\n "fp16": {"enabled": true,},\n # done\n}')
     assert load_runtime_config(path, 1).fp16.enabled
-    path.write_text('{\n /* two\n lines */\n "train_batch_size": 4\n "fp16": {}\n}')
-    with pytest.raises(ConfigError, match="at line 5 column 2"):
+    path.write_text('{\n /* two\n lines */\n "train_batch_size": 4,\n "fp16": {"enabled": ]\n}')
+    with pytest.raises(ConfigError, match="at line 5 column 22"):
         load_runtime_config(path, 1)
     path.write_text(json.dumps({"train_batch_size": 4, "comment": "a // inside a string stays"}))
     with pytest.raises(ConfigError, match="unknown key 'comment'"):
@@ -495,3 +535,41 @@ def test_a_config_passed_as_base64_as_deepspeed_takes_it(tmp_path):
     bad = base64.urlsafe_b64encode(b'{"train_batch_size": 4, "fp16": {"enabeld": true}}').decode()
     with pytest.raises(ConfigError, match="unknown key 'fp16.enabeld' in the base64 runtime config"):
         load_runtime_config(bad, 1)
+
+
+def test_hjson_reads_each_of_its_forms_as_the_hjson_spec_gives_them():
+    text = """# DeepSpeed config in Hjson
+{
+  optimizer: {
+    type: Adam   // a quoteless string runs to the line's end, comments included (the spec's rule)
+    params: { lr: 1e-3, betas: [0.9, 0.95], eps: 1e-8 }
+  }
+  name: my run, with commas
+  quoted: 'it\\'s "q"'
+  note: '''
+    two
+      lines'''
+  list: [
+    1
+    2.5
+    -3e2
+  ]
+  /* block
+  comment */ last: null, flag: true
+}
+"""
+    assert parse_hjson(text) == {
+        "optimizer": {
+            "type": "Adam   // a quoteless string runs to the line's end, comments included (the spec's rule)",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8},
+        },
+        "name": "my run, with commas",
+        "quoted": 'it\'s "q"',
+        "note": "two\n  lines",
+        "list": [1, 2.5, -300.0],
+        "last": None,
+        "flag": True,
+    }
+    for bad, message in (("{a 1}", "expected ':' after the key 'a' at line 1 column 4"), ('{a: "x}', "not closed")):
+        with pytest.raises(HjsonError, match=message):
+            parse_hjson(bad)

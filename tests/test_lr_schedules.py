@@ -163,6 +163,9 @@ def test_one_cycle_lr_and_momentum(stairs: tuple[int, int]) -> None:
         group = optimizer.param_groups[0]
         assert (group["lr"], group["betas"][0]) == (pytest.approx(lr, abs=1e-12), pytest.approx(beta1, abs=1e-12))
         assert group["betas"][1] == 0.99
+        # get_mom() reports the formula's value, before the first step too (DeepSpeed's cycle_max_mom)
+        reported = 0.95 if t < 0 else beta1
+        assert schedule.get_mom() == [(pytest.approx(reported, abs=1e-12), 0.99)]
         schedule.step()
     peak = values_at(
         "OneCycle",

@@ -166,14 +166,25 @@ def test_model_parameters_choose_what_the_built_optimizer_updates():
     first_layer = model[0].weight.detach().clone()
     engine.step()
     torch.testing.assert_close(model[0].weight.detach(), first_layer)
-    with pytest.raises(ConfigError, match="an optimizer or model_parameters"):
-        initialize(
-            model,
-            {"train_batch_size": 1},
-            SINGLE,
-            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            model_parameters=model.parameters(),
-        )
+
+
+def test_an_optimizer_comes_as_deepspeed_takes_it_and_a_missing_model_is_one_sentence():
+    model = small_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    # an optimizer given with model_parameters: the optimizer is used as it is, as in DeepSpeed
+    engine = initialize(model, {"train_batch_size": 1}, SINGLE, optimizer=sgd, model_parameters=model.parameters())
+    assert engine.optimizer is sgd
+    # a callable builds it from model_parameters
+    built = initialize(
+        model,
+        {"train_batch_size": 1},
+        SINGLE,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        model_parameters=model[2].parameters(),
+    ).optimizer
+    assert isinstance(built, torch.optim.SGD) and [len(g["params"]) for g in built.param_groups] == [2]
+    with pytest.raises(ConfigError, match=r"^initialize\(\) needs the model as a torch.nn.Module, not NoneType$"):
+        initialize(None, {"train_batch_size": 1}, SINGLE)
 
 
 def test_parameter_groups_given_are_kept_as_given():

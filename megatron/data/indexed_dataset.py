@@ -42,6 +42,7 @@ DTYPE_CODES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16),
 }
 _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+FLOAT_CODES = {6: "float64", 7: "float32"}
 
 # Megatron switches to int32 a little below 2**16, and readers rely on that exact threshold.
 _UINT16_VOCAB_LIMIT = 65500
@@ -160,6 +161,11 @@ def _read_header(index_file: str) -> tuple[np.dtype, int, int]:
         raise DataError(
             f"{index_file} has index version {version}, but only version {_VERSION} is supported; "
             "regenerate it with tools/preprocess_data.py."
+        )
+    if code in FLOAT_CODES:
+        raise DataError(
+            f"{index_file} declares {FLOAT_CODES[code]} tokens (Megatron's dtype code {code}), but token data "
+            "must be integers; preprocess the text again with tools/preprocess_data.py, which writes integer ids."
         )
     if code not in DTYPE_CODES:
         raise DataError(

@@ -147,10 +147,14 @@ class Schedule:
     def get_mom(self) -> list[tuple[float, float]] | None:
         return None
 
+    def _applied_betas(self) -> list[tuple[float, float]] | None:
+        """The betas written into the optimizer now: get_mom()'s unless a schedule says otherwise."""
+        return self.get_mom()
+
     def _apply(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
             _set_lr(group, lr)
-        betas = self.get_mom()
+        betas = self._applied_betas()
         if betas is not None:
             for group, beta in zip(self.optimizer.param_groups, betas):
                 group["betas"] = beta
@@ -296,6 +300,13 @@ class OneCycle(Schedule):
     def _in_cycle(self) -> bool:
         return self.last_batch_iteration < self.total_size
 
+    def _applied_betas(self) -> list[tuple[float, float]] | None:
+        # DeepSpeed starts beta1 at cycle_min_mom, not at the formula's cycle_max_mom, so the first
+        # optimizer step runs with it; the formula takes over from the first step()
+        if self.cycle_momentum and self.last_batch_iteration < 0:
+            return [(beta1, 0.99) for beta1 in self.min_moms]
+        return self.get_mom()
+
     def get_lr(self) -> list[Lr]:
         if self._in_cycle():
             scale = self._scale()
@@ -304,13 +315,11 @@ class OneCycle(Schedule):
         return [lo / factor for lo in self.min_lrs]
 
     def get_mom(self) -> list[tuple[float, float]] | None:
+        """The cycle formula's betas, before the first step() too (cycle_max_mom then, as DeepSpeed
+        reports it)."""
         if not self.cycle_momentum:
             return None
-        if self.last_batch_iteration < 0:
-            # DeepSpeed starts beta1 at cycle_min_mom, not at the cycle formula's cycle_max_mom, so
-            # the first optimizer step runs with it; the formula takes over from the first step().
-            beta1s = self.min_moms
-        elif self._in_cycle():
+        if self._in_cycle():
             scale = self._scale()
             beta1s = [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
         else:

@@ -293,18 +293,22 @@ def initialize(
     model: nn.Module,
     config: dict[str, Any] | str | Path | RuntimeConfig,
     parallel: ParallelGrid,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer] | None = None,
     lr_scheduler: Any = None,
     model_parameters: Iterable[Any] | None = None,
 ) -> Engine:
-    """DeepSpeed-style entry point: validate the config and wrap the model in an engine. Without an
-    optimizer, the config's is built over `model_parameters` (default: the model's)."""
+    """DeepSpeed-style entry point: validate the config and wrap the model in an engine. The
+    optimizer, as DeepSpeed takes it: an optimizer (then `model_parameters` are not needed), a
+    callable that builds one from `model_parameters`, or None for the config's, built over
+    `model_parameters` (default: the model's)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"initialize() needs the model as a torch.nn.Module, not {type(model).__name__}")
     if isinstance(config, RuntimeConfig):
         refuse_contradictions(config)  # a config read from a dict or file was checked as it was read
     else:
         config = load_runtime_config(config, parallel.dp_size)
-    if optimizer is not None and model_parameters is not None:
-        raise ConfigError("give initialize() an optimizer or model_parameters to build one from, not both")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
     if optimizer is None:
         optimizer = build_optimizer(model, config, model_parameters, parallel.rank)
     return Engine(model, config, parallel, optimizer=optimizer, lr_scheduler=lr_scheduler)

@@ -1,7 +1,7 @@
 """Reading a runtime config file as DeepSpeed does: it reads them with hjson, so ds_config files
-in the wild carry comments (`//`, `#`, `/* */`) and trailing commas. Those two are read here;
-hjson's other forms (unquoted keys and strings, newlines instead of commas) are refused with one
-sentence. Duplicate keys are refused, as DeepSpeed refuses them."""
+in the wild carry comments (`//`, `#`, `/* */`), trailing commas, unquoted keys and strings, and
+line breaks for commas. JSON with comments and trailing commas is read directly; anything else as
+Hjson (hjson_text.py). Duplicate keys are refused, as DeepSpeed refuses them."""
 
 import base64
 import binascii
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.errors import ConfigError
+from megatron.runtime.config.hjson_text import HjsonError, parse_hjson
 
 # a JSON string, or a comment, or a comma that only closing brackets follow
 _TOKENS = re.compile(
@@ -67,12 +68,12 @@ def read_config_source(source: str | Path) -> tuple[dict[str, Any], str]:
 def parse_config_text(text: str, path: str) -> dict[str, Any]:
     """The config object in `text` (from `path`, for errors)."""
     try:
-        config = json.loads(strip_comments(text), object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"cannot read the runtime config {path}: {exc.msg} at line {exc.lineno} column {exc.colno}; it must be "
-            "JSON, with comments and trailing commas allowed (quote every key and string)"
-        ) from None
+        try:
+            config = json.loads(strip_comments(text), object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError:  # Hjson, as DeepSpeed reads its configs (a superset of JSON)
+            config = parse_hjson(text, pairs_hook=_no_duplicates)
+    except HjsonError as exc:
+        raise ConfigError(f"cannot read the runtime config {path}: {exc}; it must be JSON or Hjson") from None
     except ConfigError as exc:
         raise ConfigError(f"the runtime config {path}: {exc}") from None
     if not isinstance(config, dict):

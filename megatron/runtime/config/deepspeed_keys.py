@@ -42,9 +42,21 @@ def _enabled(block: Any) -> bool:
 
 
 def _any_enabled(block: Any) -> bool:
-    """Some feature inside a nested block (data_efficiency, compression_training) is on."""
+    """Some feature inside a nested block (compression_training) is on."""
     if isinstance(block, dict):
         return block.get("enabled") is True or any(_any_enabled(inner) for inner in block.values())
+    return False
+
+
+def _data_efficiency_feature(block: Any) -> bool:
+    """Curriculum learning or random-LTD is on somewhere inside data_efficiency; its umbrella
+    `enabled` keys (data_efficiency, data_sampling, data_routing) turn nothing on by themselves, as
+    in DeepSpeed, whose baseline templates set them with both features off."""
+    if isinstance(block, dict):
+        return any(
+            _enabled(inner) if key in ("curriculum_learning", "random_ltd") else _data_efficiency_feature(inner)
+            for key, inner in block.items()
+        )
     return False
 
 
@@ -84,6 +96,7 @@ def _autotp(block: Any) -> bool:
 
 HINTS: tuple[Hint, ...] = (
     Hint(("zero_allow_untested_optimizer",), "ZeRO here partitions the state of any torch optimizer"),
+    Hint(("data_efficiency",), "curriculum learning and random-LTD are both off in it"),
     Hint(("zero_force_ds_cpu_optimizer",), "CPU offload always steps the toolkit's native CPU Adam"),
     Hint(
         ("disable_allgather",),
@@ -189,7 +202,7 @@ UNBUILT: tuple[Unbuilt, ...] = (
         _enabled,
         "use the fp16 or bf16 block, which runs the forward under autocast",
     ),
-    Unbuilt(("data_efficiency",), "data efficiency's curriculum sampling or random-LTD", _any_enabled),
+    Unbuilt(("data_efficiency",), "data efficiency's curriculum sampling or random-LTD", _data_efficiency_feature),
     Unbuilt(("compression_training",), "the compression library", _any_enabled),
     Unbuilt(("sparse_attention",), "sparse attention", _given),
     Unbuilt(("weight_quantization",), "weight quantization", _given),

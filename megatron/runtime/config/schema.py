@@ -63,6 +63,13 @@ class OptimizerParams(Section):
     amsgrad: bool = False
     max_coeff: Positive = 10.0
     min_coeff: NonNegative = 0.01
+    max_grad_norm: NonNegative | None = None  # refused below, with the key to use
+
+    def model_post_init(self, context: Any) -> None:
+        if "max_grad_norm" in self.model_fields_set:  # DeepSpeed's engine refuses it the same way
+            raise ValueError(
+                "max_grad_norm is not an optimizer parameter; clip with the top-level gradient_clipping key instead"
+            )
 
     def given(self) -> dict[str, Any]:
         return self.model_dump(include=self.model_fields_set)
