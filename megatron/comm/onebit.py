@@ -12,6 +12,7 @@ the next call rather than being lost. Signs of zero count as +1, as DeepSpeed's 
 Legend: N the buffer's elements (a multiple of 8 P), P the group's ranks, C = N / P a chunk.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,20 +69,31 @@ def compressed_allreduce(
     numel = buffer_N.numel()
     if numel % (8 * ranks):
         raise ValueError(f"a compressed all-reduce needs a multiple of {8 * ranks} elements, not {numel}")
-    chunk = numel // ranks
     signs_N, scale, worker_error = _compress(buffer_N + errors.worker)
     errors.worker.copy_(worker_error)
-    received_PC8 = torch.empty(ranks * chunk // 8, dtype=torch.uint8, device=buffer_N.device)
-    collectives.all_to_all_single(received_PC8, pack_signs(signs_N), group=group)
-    received_PC8 = received_PC8.view(ranks, chunk // 8)
-    scales_P = torch.empty(ranks, dtype=buffer_N.dtype, device=buffer_N.device)
-    collectives.all_gather_into_tensor(scales_P, scale.reshape(1), group=group)
-    averaged_C = (unpack_signs(received_PC8, buffer_N.dtype) * scales_P.unsqueeze(1)).sum(0) / ranks
-    server_signs_C, server_scale, server_error = _compress(averaged_C + errors.server)
+    received_PC = _exchange(collectives.all_to_all_single, signs_N, scale, numel // 8, ranks, group)
+    server_signs_C, server_scale, server_error = _compress(received_PC.sum(0) / ranks + errors.server)
     errors.server.copy_(server_error)
-    gathered_PC8 = torch.empty(ranks * chunk // 8, dtype=torch.uint8, device=buffer_N.device)
-    collectives.all_gather_into_tensor(gathered_PC8, pack_signs(server_signs_C), group=group)
-    gathered_PC8 = gathered_PC8.view(ranks, chunk // 8)
-    server_scales_P = torch.empty(ranks, dtype=buffer_N.dtype, device=buffer_N.device)
-    collectives.all_gather_into_tensor(server_scales_P, server_scale.reshape(1), group=group)
-    return (unpack_signs(gathered_PC8, buffer_N.dtype) * server_scales_P.unsqueeze(1)).flatten()
+    return _exchange(
+        collectives.all_gather_into_tensor, server_signs_C, server_scale, numel // 8, ranks, group
+    ).flatten()
+
+
+def _exchange(
+    send: Callable[..., object],
+    signs: torch.Tensor,
+    scale: torch.Tensor,
+    buffer_bytes: int,
+    ranks: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Send `signs` packed by `send` (all-to-all: rank r gets chunk r; all-gather: every rank gets
+    all) with `scale` to every rank; returns what came, one row per sending rank, each row's signs
+    times its sender's scale: [P, len(signs) / P] (all-to-all) or [P, len(signs)] (all-gather)."""
+    packed = pack_signs(signs)
+    # N / 8 bytes either way: every rank's chunk r (all-to-all), or every rank's chunk (all-gather)
+    received = torch.empty(buffer_bytes, dtype=torch.uint8, device=signs.device)
+    send(received, packed, group=group)
+    scales_P = torch.empty(ranks, dtype=signs.dtype, device=signs.device)
+    collectives.all_gather_into_tensor(scales_P, scale.reshape(1), group=group)
+    return unpack_signs(received.view(ranks, -1), signs.dtype) * scales_P.unsqueeze(1)
