@@ -84,7 +84,7 @@ CONFIGS = [
     (
         "MoE template with curriculum learning on",
         MOE_TEMPLATE.replace("CL", "true"),
-        "curriculum_learning in .* turns on curriculum learning, which this toolkit does not build",
+        {"curriculum_learning.enabled": True, "curriculum_learning.max_difficulty": 64},
         [],
     ),
     (

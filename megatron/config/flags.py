@@ -86,6 +86,7 @@ class TrainingConfig:
     check_for_nan: bool  # a non-finite loss or gradient in bf16/fp32 stops the run
     max_consecutive_skipped_iterations: int  # 0: no limit
     deepspeed_config: str | None  # the --deepspeed_config file, named in messages
+    curriculum_learning_legacy: bool = False  # Megatron-DeepSpeed's flag for the ds_config curriculum_learning block
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -504,6 +505,12 @@ def build_parser(sizing: bool = False) -> FlagParser:
         help="DeepSpeed-style JSON; values must agree with the flags given",
     )
     g.add_argument(
+        "--curriculum-learning-legacy",
+        action="store_true",
+        help="curriculum learning by sequence length from the ds_config curriculum_learning block "
+        "(Megatron-DeepSpeed's flag; the block turns it on)",
+    )
+    g.add_argument(
         "--zero-stage",
         type=int,
         choices=[0, 1, 2, 3],
@@ -794,6 +801,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         check_for_nan=args.check_for_nan_in_loss_and_grad,
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_config=args.deepspeed_config,
+        curriculum_learning_legacy=args.curriculum_learning_legacy,
     )
     _check_lr_spans(training)
     logging = LoggingConfig(

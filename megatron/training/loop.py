@@ -41,6 +41,7 @@ from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
 from megatron.timers import Timers, timed, untimed
 from megatron.tokenizer_spec import tokenizer_spec_of
+from megatron.training.curriculum import sequence_curriculum
 from megatron.training.distill import init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.log import IntervalStats, LogWindow, TrainingLogger
@@ -126,6 +127,7 @@ class Trainer:
         )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor()
+        self.curriculum = sequence_curriculum(runtime.curriculum_learning, config)
         lg = config.logging
         self.timers = (
             Timers(lg.timing_log_level, lg.timing_log_option, grid.device) if lg.timing_log_level > 0 else None
@@ -173,6 +175,7 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed_samples = 0
+        self.consumed_tokens = 0  # fewer than samples x --seq-length under a curriculum
         self.saved_iteration: int | None = None
         self.window = LogWindow()  # the iterations since the last log line (a resume carries them)
         self.run_start = (0, 0)  # iteration and skipped steps where train() began
@@ -229,6 +232,7 @@ class Trainer:
         else:
             self.iteration = self.saved_iteration = run.iteration
             self.consumed_samples = run.consumed_samples
+            self.consumed_tokens = run.consumed_tokens
             self.window = LogWindow.from_record(run.log_window, self.grid.rank, self.grid.world_size, self.grid.device)
 
     def _setup_teacher(self, model: GPTModel, starts_fresh: bool) -> tuple[GPTModel | None, bool]:
@@ -316,11 +320,17 @@ class Trainer:
         )
         return iter(loader)
 
-    def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> GPTBatch:
+    def seq_length(self, iteration: int) -> int:
+        """Training iteration `iteration`'s (from 1) sequence length: the curriculum's, else --seq-length."""
+        return self.config.training.seq_length if self.curriculum is None else self.curriculum.seq_length(iteration)
+
+    def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]], seq_length: int | None = None) -> GPTBatch:
+        """The next micro-batch, its sequences cut to `seq_length` when given."""
         with timed("batch-generator"):
-            return gpt_batch(
-                next(data_iter)["text"], self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device
-            )
+            text = next(data_iter)["text"]
+            if seq_length is not None:
+                text = text[:, : seq_length + 1]  # the inputs and the labels they predict
+            return gpt_batch(text, self.tokenizer.eod, self.config.data.eod_mask_loss, self.grid.device)
 
     def dp_mean(self, value: torch.Tensor) -> float:
         value = value.clone()
@@ -345,9 +355,12 @@ class Trainer:
             return self._pipeline_train_step(data_iter)
         total = Losses.zeros(self.grid.device)
         micro_batches = self.engine.gradient_accumulation_steps
+        seq_length = self.seq_length(self.iteration + 1)
+        if isinstance(self.engine.lr_scheduler, AnnealingLR):  # Megatron's schedule counts the tokens trained
+            self.engine.lr_scheduler.increment = self.config.training.global_batch_size * seq_length
         with timed("forward-backward"):
             for index in range(micro_batches):
-                step, objective = self._train_forward(self._batch(data_iter))
+                step, objective = self._train_forward(self._batch(data_iter, seq_length))
                 self.engine.backward(objective)
                 if index < micro_batches - 1:  # the last one's is the update, after the timer
                     self.engine.step()
@@ -431,7 +444,7 @@ class Trainer:
         run = RunRecord(
             iteration=self.iteration,
             consumed_samples=self.consumed_samples,
-            consumed_tokens=self.consumed_samples * self.config.training.seq_length,
+            consumed_tokens=self.consumed_tokens,
             model=self.model_config,
             tokenizer=tokenizer_spec_of(data),
             tokenizer_size=self.tokenizer.vocab_size,
@@ -498,16 +511,20 @@ class Trainer:
         if cfg.logging.eval_at_start and self.iteration == 0:
             self._validate(result)
         data_iter = self.loader(self.train_data, self.consumed_samples) if self.iteration < t.train_iters else None
-        flops_per_iteration = self.model_config.flops_per_token(t.seq_length) * t.tokens_per_iteration
         peak = peak_flops(self.grid.device, self.engine.autocast_dtype or torch.float32, cfg.logging.peak_tflops)
         self.log.info(f" > MFU in the log is against {peak.tflops:.3f} TFLOP/s per rank, from {peak.source}")
         window = self.window  # read back once per log interval: no per-step sync
         to_tensorboard = cfg.logging.log_timers_to_tensorboard
         interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps - window.skipped
+        interval_tokens, interval_flops = 0, 0.0  # this run's iterations of the interval
         while self.iteration < t.train_iters:
             window.losses.append(self.train_step(data_iter))
             self.iteration += 1
+            seq_length = self.seq_length(self.iteration)
             self.consumed_samples += t.global_batch_size
+            self.consumed_tokens += t.global_batch_size * seq_length
+            interval_tokens += t.global_batch_size * seq_length
+            interval_flops += self.model_config.flops_per_token(seq_length) * t.global_batch_size * seq_length
             window.skipped = self.engine.skipped_steps - interval_skipped
             self._check_step()
             self.log.progress("iterations done", self.iteration, t.train_iters)
@@ -524,13 +541,14 @@ class Trainer:
                 means = Losses.from_vector(interval.vector().mean(0))
                 lm, moe, kd = self.dp_mean(means.lm), self.dp_mean(means.moe), self.dp_mean(means.kd)
                 kd_in_interval = cfg.distill is not None and cfg.distill.kd_active(self.iteration - len(window.losses))
-                tflops = flops_per_iteration / seconds / 1e12 / self.grid.world_size
+                iterations = len(window.losses) - window.carried
+                tflops = interval_flops / iterations / seconds / 1e12 / self.grid.world_size
                 self.log.training_line(
                     self.iteration,
                     t.train_iters,
                     IntervalStats(
                         consumed_samples=self.consumed_samples,
-                        consumed_tokens=self.consumed_samples * t.seq_length,
+                        consumed_tokens=self.consumed_tokens,
                         iteration_ms=1000.0 * seconds,
                         lr=self.engine.get_lr()[0],
                         global_batch_size=t.global_batch_size,
@@ -541,7 +559,7 @@ class Trainer:
                         grad_norm=self.engine.last_grad_norm,
                         skipped=window.skipped,
                         skipped_total=self.engine.skipped_steps,
-                        tokens_per_second=t.tokens_per_iteration / seconds,
+                        tokens_per_second=interval_tokens / iterations / seconds,
                         tflops=tflops,
                         mfu=tflops / peak.tflops,
                     ),
@@ -555,6 +573,7 @@ class Trainer:
                 if not exit_reason:  # the exit's save keeps the window: the resumed run's next line is this run's
                     self.window = window = LogWindow()
                     interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps
+                    interval_tokens, interval_flops = 0, 0.0
             if exit_reason:
                 return self._exit_early(result, exit_reason)
             if self.iteration % cfg.logging.eval_interval == 0:

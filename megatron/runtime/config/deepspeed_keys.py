@@ -186,7 +186,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
             ("csv_monitor", "the CSV monitor"),
             ("comet", "Comet logging"),
             ("hybrid_engine", "the RLHF hybrid engine"),
-            ("curriculum_learning", "curriculum learning"),
             ("elasticity", "elastic training"),
             ("nebula", "Nebula checkpointing"),
             ("amp", "Apex AMP"),
@@ -299,7 +298,6 @@ class TopLevelKeys(Section):
     comet: Block | None = None
     hybrid_engine: Block | None = None
     torch_autocast: Block | None = None
-    curriculum_learning: Block | None = None
     data_efficiency: Block | None = None
     compression_training: Block | None = None
     elasticity: Block | None = None
