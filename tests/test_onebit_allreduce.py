@@ -1,5 +1,5 @@
-"""The 1-bit compressed all-reduce (megatron/comm/onebit.py) against the algorithm written out here
-in plain torch for P simulated ranks (no packing, no collectives), on 2 and 4 gloo ranks over
+"""The 1-bit compressed all-reduce (megatron/comm/onebit.py) against the algorithm written out in
+plain torch for P simulated ranks (tests/onebit_reference.py), on 2 and 4 gloo ranks over
 several calls, so that both error-feedback buffers carry over; the sign packing round trip; and
 the bytes it sends, counted by the communication log."""
 
@@ -9,6 +9,7 @@ import torch
 from megatron.comm.comms_log import CommsLog
 from megatron.comm.onebit import ErrorFeedback, compressed_allreduce, pack_signs, padded_numel, unpack_signs
 from tests.dist_utils import run_distributed
+from tests.onebit_reference import ReferenceAveraging
 
 N, CALLS = 64 * 12, 4
 
@@ -20,30 +21,9 @@ def _buffer(rank: int, call: int) -> torch.Tensor:
 
 
 def reference(ranks: int) -> list[torch.Tensor]:
-    """What every rank should get from each call: compress each rank's buffer plus its error, average
-    each chunk over the ranks, compress that plus the chunk's server error, concatenate."""
-    chunk = N // ranks
-    worker = [torch.zeros(N) for _ in range(ranks)]
-    server = [torch.zeros(chunk) for _ in range(ranks)]
-
-    def one_bit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = torch.linalg.vector_norm(x) / x.numel() ** 0.5
-        kept = scale * torch.where(x >= 0, 1.0, -1.0)
-        return kept, x - kept
-
-    results = []
-    for call in range(CALLS):
-        sent = []
-        for rank in range(ranks):
-            kept, worker[rank] = one_bit(_buffer(rank, call) + worker[rank])
-            sent.append(kept)
-        out = []
-        for c in range(ranks):
-            mean = torch.stack([s[c * chunk : (c + 1) * chunk] for s in sent]).sum(0) / ranks
-            kept, server[c] = one_bit(mean + server[c])
-            out.append(kept)
-        results.append(torch.cat(out))
-    return results
+    """What every rank should get from each call."""
+    averaging = ReferenceAveraging(N, ranks)
+    return [averaging([_buffer(rank, call) for rank in range(ranks)]) for call in range(CALLS)]
 
 
 def _rank_calls(ranks: int) -> dict[str, torch.Tensor]:

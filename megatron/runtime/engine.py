@@ -40,8 +40,10 @@ from megatron.runtime.loss_scaler import build_loss_scaler
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.runtime.monitor import EngineMonitor
 from megatron.runtime.nonfinite import NonFiniteStep, nonfinite_ranks
+from megatron.runtime.optim.onebit_adam import OneBitAdam
 from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.profiled_step import ProfiledStep
+from megatron.runtime.replicated import Replicated
 from megatron.runtime.strategy import build_strategy
 from megatron.runtime.swap.swapped_adam import SwappedAdam
 from megatron.timers import timed
@@ -72,7 +74,7 @@ class Engine:
         self.module = model.to(parallel.device)
         self.config = config
         self.parallel = parallel
-        self.optimizer = optimizer or build_optimizer(self.module, config, rank=parallel.rank)
+        self.optimizer = optimizer or build_optimizer(self.module, config, rank=parallel.rank, grid=parallel)
         check_engine_inputs(config, self.optimizer, lr_scheduler, parallel.device)
         if config.scheduler is not None:
             lr_scheduler = build_scheduler(self.optimizer, config.scheduler.type, config.scheduler.params)
@@ -200,22 +202,33 @@ class Engine:
         if not boundary:
             return
         self.monitor.start("step")
+        strategy = self.strategy
+        # past its warm-up 1-bit Adam averages its momenta instead (ZeRO stage 0 only: the config checks)
+        optimizer = self.optimizer
+        local = isinstance(optimizer, OneBitAdam) and optimizer.compressing and isinstance(strategy, Replicated)
         with timed("all-grads-sync"):
             for param in self.pipeline_shared:
                 all_reduce(param.grad, self.parallel.embedding_group)
-            dense_grads, expert_grads = self.strategy.reduce_gradients()
+            if local:
+                dense_grads, expert_grads = strategy.local_gradients()
+            else:
+                dense_grads, expert_grads = strategy.reduce_gradients()
         with timed("optimizer"):
-            self._update(dense_grads, expert_grads)
+            self._update(dense_grads, expert_grads, local)
         self.global_steps += 1
         self.monitor.stop("step")
         self.monitor.after_step(self.global_steps, self.skipped_steps, self.get_lr(), self.loss_scaler.scale)
         if self.profiled_step is not None:
             self.profiled_step.after_step(self.global_steps)
 
-    def _update(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor]) -> None:
-        """Clip and step with the reduced gradients, or skip the step where they are not finite."""
+    def _update(self, dense_grads: list[torch.Tensor], expert_grads: list[torch.Tensor], local: bool) -> None:
+        """Clip and step with the reduced gradients (`local`: each rank's own, which 1-bit Adam's
+        momentum averaging then reduces), or skip the step where they are not finite."""
         grads = dense_grads + expert_grads
-        divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * self.grad_postdivisor
+        # a rank's own gradient is its own mean; an expert's, divided by dp / expert_dp, averages over
+        # its expert-data-parallel replicas to the sum over them / dp that reduce_gradients gives
+        postdivisor = 1.0 if local else self.grad_postdivisor
+        divisor = self.loss_scaler.scale * self.gradient_accumulation_steps * postdivisor
         sq_norm, grads_nonfinite = global_sq_norm(dense_grads, expert_grads, self.strategy, self.parallel)
         grad_norm = math.sqrt(sq_norm) / divisor
         self.last_grad_norm = grad_norm
@@ -238,6 +251,9 @@ class Engine:
             if clip > 0 and grad_norm > clip:
                 coeff *= clip / (grad_norm + 1e-6)
             torch._foreach_mul_(grads, coeff)
+            if local and expert_grads:
+                grid = self.parallel
+                torch._foreach_mul_(expert_grads, grid.expert_dp_size / grid.dp_size)
             self.consecutive_skipped_steps = 0
             self.optimizer.step()
             self.strategy.after_step()
@@ -310,5 +326,5 @@ def initialize(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
     if optimizer is None:
-        optimizer = build_optimizer(model, config, model_parameters, parallel.rank)
+        optimizer = build_optimizer(model, config, model_parameters, parallel.rank, parallel)
     return Engine(model, config, parallel, optimizer=optimizer, lr_scheduler=lr_scheduler)

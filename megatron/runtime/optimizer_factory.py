@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from megatron.errors import ConfigError
+from megatron.parallel import ParallelGrid
 from megatron.placement import expert_ids
 from megatron.runtime.config.schema import RuntimeConfig
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from megatron.runtime.optim.lamb import Lamb
+from megatron.runtime.optim.onebit_adam import OneBitAdam
 from megatron.runtime.swap.swapped_adam import SwappedAdam
 
 
@@ -21,6 +23,7 @@ def build_optimizer(
     config: RuntimeConfig,
     model_parameters: Iterable[Any] | None = None,
     rank: int = 0,
+    grid: ParallelGrid | None = None,
 ) -> torch.optim.Optimizer:
     """The config's optimizer over `model_parameters` as DeepSpeed builds it: groups of parameters
     kept as given, or a list of parameters as one group. Without them: the model's trainable
@@ -48,6 +51,8 @@ def build_optimizer(
     try:
         if kind == "Lamb":
             return Lamb(groups, **params)
+        if kind == "OneBitAdam":  # its momenta are averaged over each parameter's replicas in `grid`
+            return OneBitAdam(groups, grid=grid, **params)
         if offload.device != "none":
             if next(model.parameters()).device.type != "cpu":
                 raise ConfigError(

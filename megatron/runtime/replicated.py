@@ -56,12 +56,15 @@ class Replicated:
     def after_backward(self) -> None:
         pass
 
-    def reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def local_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's own (dense, expert) gradients, unreduced (1-bit Adam's compression stage)."""
         for param in (*self.dense_params, *self.expert_params):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        dense_grads = [p.grad for p in self.dense_params]
-        expert_grads = [p.grad for p in self.expert_params]
+        return [p.grad for p in self.dense_params], [p.grad for p in self.expert_params]
+
+    def reduce_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        dense_grads, expert_grads = self.local_gradients()
         sum_over(dense_grads, self.grid.dp_group)
         # an expert's gradient already holds its expert-parallel group's tokens; summing over its
         # copies and dividing by the full data-parallel size makes EP=N equal EP=1

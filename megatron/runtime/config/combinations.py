@@ -17,6 +17,9 @@ def refuse_contradictions(config: "RuntimeConfig") -> None:
             "flat shards; use Adam/AdamW with ZeRO, or zero_optimization.stage 0 with Lamb"
         )
     offloaded = config.zero_optimization.offload_optimizer.device != "none"
+    if kind == "OneBitAdam":
+        refuse_onebit_contradictions(config, offloaded)
+        return
     if kind != "Lamb" and not offloaded and not config.optimizer.params.given().get("bias_correction", True):
         raise ConfigError(
             "optimizer.params.bias_correction false is implemented by the offloaded CPU Adam and "
@@ -35,3 +38,20 @@ def tied_embedding_refusal(zero_stage: int) -> str | None:
         "embedding's gradient can be summed over the first and last pipeline stages; use --zero-stage 0 or 1, "
         "or --untie-embeddings-and-output-weights"
     )
+
+
+def refuse_onebit_contradictions(config: "RuntimeConfig", offloaded: bool) -> None:
+    """What 1-bit Adam runs with, as in DeepSpeed: ZeRO stage 0, the optimizer on the device, and
+    the plain mean of the gradients over data parallelism (its momenta are averaged the same way)."""
+    if config.zero_optimization.stage:
+        raise ConfigError(
+            f"optimizer OneBitAdam compresses whole momenta, which ZeRO stage {config.zero_optimization.stage} "
+            "partitions (DeepSpeed refuses the pair too); use zero_optimization.stage 0"
+        )
+    if offloaded:
+        raise ConfigError("optimizer OneBitAdam runs on the device; remove zero_optimization.offload_optimizer")
+    if config.prescale_gradients or config.gradient_predivide_factor != 1.0 or config.gradient_allreduce_op != "mean":
+        raise ConfigError(
+            "optimizer OneBitAdam averages its momenta over data parallelism; drop prescale_gradients, "
+            "gradient_predivide_factor and gradient_allreduce_op sum"
+        )

@@ -45,6 +45,7 @@ from megatron.runtime.config.schema_types import (
 
 ADAM_ONLY = ("adam_w_mode", "amsgrad")
 LAMB_ONLY = ("max_coeff", "min_coeff")
+ONEBIT_ONLY = ("freeze_step", "cuda_aware", "comm_backend_name")
 
 
 class OptimizerParams(Section):
@@ -64,6 +65,9 @@ class OptimizerParams(Section):
     max_coeff: Positive = 10.0
     min_coeff: NonNegative = 0.01
     max_grad_norm: NonNegative | None = None  # refused below, with the key to use
+    freeze_step: Count = 100000  # OneBitAdam: Adam's warm-up steps before compression
+    cuda_aware: bool = False  # OneBitAdam: DeepSpeed's transport choices, torch.distributed's here
+    comm_backend_name: str = "nccl"
 
     def model_post_init(self, context: Any) -> None:
         if "max_grad_norm" in self.model_fields_set:  # DeepSpeed's engine refuses it the same way
@@ -75,7 +79,7 @@ class OptimizerParams(Section):
         return self.model_dump(include=self.model_fields_set)
 
 
-OPTIMIZERS = ("Adam", "AdamW", "Lamb")
+OPTIMIZERS = ("Adam", "AdamW", "Lamb", "OneBitAdam")
 
 
 def _optimizer_name(name: Any) -> Any:
@@ -90,7 +94,9 @@ class OptimizerConfig(OptimizerKeys):
     params: OptimizerParams = OptimizerParams()
 
     def model_post_init(self, context: Any) -> None:
-        foreign = LAMB_ONLY if self.type != "Lamb" else ADAM_ONLY
+        foreign = {"Lamb": ADAM_ONLY + ONEBIT_ONLY, "OneBitAdam": ADAM_ONLY + LAMB_ONLY}.get(
+            self.type, LAMB_ONLY + ONEBIT_ONLY
+        )
         wrong = sorted(set(foreign) & self.params.model_fields_set)
         if wrong:
             raise ValueError(f"{wrong[0]} is not a parameter of {self.type}; remove it or change optimizer.type")

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from megatron.runtime.optim.adam_state import adam_state
+
 
 class Lamb(torch.optim.Optimizer):
     def __init__(
@@ -50,11 +52,7 @@ class Lamb(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state = adam_state(self, param)
                 state["step"] += 1
                 step = int(state["step"])
                 grad, exp_avg, exp_avg_sq = param.grad, state["exp_avg"], state["exp_avg_sq"]
