@@ -52,8 +52,8 @@ class OneBitAdam(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        states = [self.state[p] for group in self.param_groups for p in group["params"] if p in self.state]
-        return int(states[0]["step"]) if states else 0
+        first = next((self.state[p] for group in self.param_groups for p in group["params"] if p in self.state), None)
+        return 0 if first is None else int(first["step"])
 
     def _group_of(self, param: torch.Tensor) -> dist.ProcessGroup | None:
         return None if self.grid is None else placement_of(param).replica_group(self.grid)
