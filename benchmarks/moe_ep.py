@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from benchmarks.moe_layer import (
     start_deepspeed,
     step,
 )
-from megatron.parallel import build_parallel_grid
+from megatron.parallel import build_parallel_grid, free_port
 
 EP_SIZE = 2
 PHASES = ("router", "dispatch", "experts", "return", "counts", "other")
@@ -348,12 +347,6 @@ def print_table(rows: list[dict], with_deepspeed: bool) -> None:
     )
     if not with_deepspeed:
         print("note: deepspeed is not importable here (pip install deepspeed==0.19.8): its column is skipped")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_and_report(grid: list[Case], args: argparse.Namespace, with_deepspeed: bool, output: Path) -> None:

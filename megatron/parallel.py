@@ -19,6 +19,7 @@ NCCL on CUDA; launched as plain `python`, everything is single-process and no gr
 
 import math
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,13 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Sum `tensor` in place over `group`; nothing to do without one or with a single rank."""
     if is_parallel(group):
         comm.all_reduce(tensor, group=group)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (torchrun's --master-port, a spawned world)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def default_device() -> torch.device:

@@ -1,7 +1,6 @@
 """Run a function in N gloo processes on the CPU and collect each rank's tensors."""
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -12,13 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from megatron.parallel import free_port
+
 RankFn = Callable[..., dict[str, torch.Tensor]]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: RankFn, args: tuple, out_dir: str) -> None:
@@ -38,7 +33,7 @@ def run_distributed(fn: RankFn, world_size: int, *args) -> list[dict[str, torch.
     """Call fn(*args) on every rank of a fresh gloo world; return the tensors each rank returned.
     fn must be a module-level function (it is pickled into the spawned processes)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, _free_port(), fn, args, out_dir), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=True)
         return [load_file(str(Path(out_dir) / f"rank{rank}.safetensors")) for rank in range(world_size)]
 
 

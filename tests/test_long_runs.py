@@ -6,7 +6,6 @@ SIGTERM during training and during a save, on one and two ranks; --exit-interval
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE
 from megatron.errors import CheckpointError, TrainingStopped
-from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.parallel import build_parallel_grid, free_port, single_process_grid
 from megatron.training.loop import Trainer
 from megatron.training.step import ForwardStep
 from tests.dist_utils import run_distributed
@@ -137,12 +136,6 @@ def test_exit_interval_and_duration_save_and_stop(corpus, tmp_path, capsys):
     assert read_latest(str(save))[0] == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # patches the save so that the process sends itself SIGTERM in the middle of its first save
 SIGTERM_DURING_SAVE = """
 import os, signal, sys
@@ -160,7 +153,7 @@ main(sys.argv[1:])
 
 def _launch(flags: list[str], world: int, script: str | None = None) -> list[subprocess.Popen]:
     """`world` processes of pretrain_gpt.py (or `script`) as torchrun would start them."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-c", script] if script else [sys.executable, str(REPO / "pretrain_gpt.py")]
     processes = []
     for rank in range(world):

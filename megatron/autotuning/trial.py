@@ -7,13 +7,13 @@ import json
 import os
 import re
 import resource
-import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron.autotuning.space import Setting
+from megatron.parallel import free_port
 from megatron.runtime.config.schema import AutotuningConfig
 
 LINE = re.compile(
@@ -120,12 +120,6 @@ def trial_ds_config(base: dict, setting: Setting) -> dict:
     return config
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _limit_memory(limit_bytes: int | None):
     if limit_bytes is None:
         return None
@@ -152,7 +146,7 @@ def run_trial(
     (folder / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
     launcher = [sys.executable]
     if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_free_port()}"]
+        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
     command = [*launcher, script, *flags]
     (folder / "cmd.txt").write_text(" ".join(command) + "\n")
     try:
