@@ -4,8 +4,8 @@ reported per iteration across ranks (the max, the min and max, or every rank's).
 
 Code marks a part with `with timed(name):`. While no `Timers` is installed, or the part's level
 is above the installed one's, that is an attribute read, a lookup and a shared empty context: no
-clock, no device synchronisation. Installed timers are the process's (parts run in autograd's
-threads too), for the scope of `Timers.recording()`."""
+clock, no device synchronisation. Installed timers are the process's (megatron/installed.py), for
+the scope of `Timers.recording()`."""
 
 import time
 from collections.abc import Iterator
@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from megatron import comm
+from megatron.installed import Installed
 
 # every timer, in the order the log prints them, with the level it runs at (Megatron's names and
 # levels, but for save-checkpoint: level 0 here is no timer at all); each is reported per iteration
@@ -92,7 +93,8 @@ class Timers:
             raise ValueError(f"timing log level {log_level} is not 0, 1 or 2")
         self.log_level = log_level
         self.log_option = log_option
-        sync = device is not None and device.type == "cuda"
+        self.device = device or torch.device("cpu")  # the run's, where its collectives take tensors
+        sync = self.device.type == "cuda"
         self.timers = {name: _Timer(sync) for name, level in LEVELS.items() if level <= log_level}
 
     def readings(self, iterations: int, reset: bool = True) -> list[TimerReading]:
@@ -101,14 +103,11 @@ class Timers:
         names = list(self.timers)
         mine = torch.tensor([self.timers[name].elapsed_s for name in names], dtype=torch.float64)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        every = torch.empty(world, len(names), dtype=torch.float64)
+        every = mine.unsqueeze(0)
         if world > 1:
-            device = comm_device()
-            gathered = torch.empty(world * len(names), dtype=torch.float64, device=device)
-            comm.all_gather_into_tensor(gathered, mine.to(device))
+            gathered = torch.empty(world * len(names), dtype=torch.float64, device=self.device)
+            comm.all_gather_into_tensor(gathered, mine.to(self.device))
             every = gathered.view(world, len(names)).cpu()
-        else:
-            every[0] = mine
         if reset:
             for timer in self.timers.values():
                 timer.elapsed_s = 0.0
@@ -136,40 +135,19 @@ class Timers:
 
     @contextmanager
     def recording(self) -> Iterator["Timers"]:
-        before = INSTALLED.timers
-        INSTALLED.timers = self
-        try:
+        with INSTALLED.holding(self):
             yield self
-        finally:
-            INSTALLED.timers = before
 
 
-def comm_device() -> torch.device:
-    """Where the default group's collectives take tensors: the GPU under NCCL, else the CPU."""
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+INSTALLED: Installed[Timers] = Installed()
 
 
-class _Installed:
-    timers: Timers | None = None
-
-
-INSTALLED = _Installed()
-
-
-@contextmanager
-def untimed() -> Iterator[None]:
+def untimed() -> AbstractContextManager[None]:
     """Work inside that no timer counts (evaluation: its forwards are not the iteration's)."""
-    before = INSTALLED.timers
-    INSTALLED.timers = None
-    try:
-        yield
-    finally:
-        INSTALLED.timers = before
+    return INSTALLED.holding(None)
 
 
 def timed(name: str) -> AbstractContextManager[None]:
     """The named part (a name in LEVELS) timed if the installed timers run its level; else nothing."""
-    timers = INSTALLED.timers
+    timers = INSTALLED.value
     return OFF if timers is None else timers.timers.get(name, OFF)

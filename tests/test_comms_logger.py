@@ -131,9 +131,9 @@ def test_recording_restores_the_log_before_it():
     outer, inner = CommsLog(), CommsLog()
     with outer.recording():
         with inner.recording():
-            assert comm.comms_log.INSTALLED.log is inner
-        assert comm.comms_log.INSTALLED.log is outer
-    assert comm.comms_log.INSTALLED.log is None
+            assert comm.comms_log.INSTALLED.value is inner
+        assert comm.comms_log.INSTALLED.value is outer
+    assert comm.comms_log.INSTALLED.value is None
 
 
 def test_comms_totals_go_to_tensorboard(tmp_path):

@@ -24,7 +24,7 @@ def test_nothing_installed_or_above_the_level_is_the_shared_empty_context():
         assert timed("forward-backward") is not OFF
         with untimed():
             assert timed("forward-backward") is OFF
-    assert INSTALLED.timers is None
+    assert INSTALLED.value is None
 
 
 def test_nested_starts_of_one_timer_count_once_and_save_is_the_intervals_total():
@@ -78,7 +78,7 @@ def _losses_and_timers(corpus: str, level: int, option: str, layout: str, swap_d
 
     def forward(engine, *args, **kwargs):
         if engine.module.training:  # evaluation is untimed
-            installed.append(INSTALLED.timers is not None)
+            installed.append(INSTALLED.value is not None)
         return forward_step(engine, *args, **kwargs)
 
     config = with_data_parallel_size(parse_args(flags), grid.dp_size)

@@ -20,7 +20,7 @@ def _bytes(tensor: torch.Tensor) -> int:
 
 
 def _issue(op: str, message_bytes: Callable[[], int], group: Any, issue: Callable[[], Any]) -> Any:
-    log = INSTALLED.log
+    log = INSTALLED.value
     if log is None or not log.logs(op):
         return issue()
     return log.timed(op, message_bytes(), group, issue)

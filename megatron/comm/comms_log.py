@@ -7,8 +7,7 @@ or scattered buffer, an all-to-all's send buffer.
 
 As DeepSpeed's does, a logged op is synchronised (an asynchronous one is waited for at once), so
 its latency is its own, at the price of the overlap it had. A log records only while it is
-installed (`recording()`): the ops are issued from autograd's threads too, so the installed log is
-the process's, not a context variable's, and it changes no result."""
+installed (`recording()`, megatron/installed.py)."""
 
 import sys
 import time
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron.installed import Installed
 
 # the ops a log knows, by the names DeepSpeed's `prof_ops` takes
 OPS = (
@@ -186,30 +187,19 @@ class CommsLog:
     @contextmanager
     def recording(self) -> Iterator["CommsLog"]:
         """Install this log for the ops issued inside (the log installed before comes back after)."""
-        before = INSTALLED.log
-        INSTALLED.log = INSTALLED.last = self
-        try:
+        LAST.value = self
+        with INSTALLED.holding(self):
             yield self
-        finally:
-            INSTALLED.log = before
 
 
-class _Installed:
-    log: CommsLog | None = None  # recording now
-    last: CommsLog | None = None  # the one that recorded last, for a summary after the run
-
-
-INSTALLED = _Installed()
-
-
-def installed_log() -> CommsLog | None:
-    return INSTALLED.log
+INSTALLED: Installed[CommsLog] = Installed()  # the log recording now
+LAST: Installed[CommsLog] = Installed()  # the one that recorded last, for a summary after the run
 
 
 def log_summary() -> None:
     """DeepSpeed's `deepspeed.comm.log_summary()`: print the table of the log recording now, or
     of the one that recorded last."""
-    log = INSTALLED.log or INSTALLED.last
+    log = INSTALLED.value or LAST.value
     if log is None:
         raise RuntimeError("no communication log is recording; turn on the ds_config comms_logger block")
     log.log_summary()
