@@ -126,6 +126,13 @@ def _limit_memory(limit_bytes: int | None):
     return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
 
+def launcher(nproc: int, *torchrun_flags: str) -> list[str]:
+    """How a command starts `nproc` ranks on this node: python for one, torchrun for more."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *torchrun_flags]
+
+
 def run_trial(
     script: str,
     flags: list[str],
@@ -144,10 +151,7 @@ def run_trial(
     if done.exists() and not tuning.overwrite:
         return result_from_json(json.loads(done.read_text()))
     (folder / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
-    command = [*launcher, script, *flags]
+    command = [*launcher(nproc, f"--master-port={free_port()}"), script, *flags]
     (folder / "cmd.txt").write_text(" ".join(command) + "\n")
     try:
         with open(folder / "stdout.log", "w") as out, open(folder / "stderr.log", "w") as err:

@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from megatron.autotuning.space import GB, Candidate, candidates, run_shape
 from megatron.autotuning.trial import (
     TrialResult,
+    launcher,
     run_trial,
     setting_flags,
     trial_ds_config,
@@ -80,8 +82,6 @@ def _base_config(flags: list[str]) -> tuple[dict[str, Any], list[int], Autotunin
 
 
 def _available_bytes(nproc: int, limit_gb: float | None) -> float:
-    import torch
-
     if torch.cuda.is_available():
         available = float(torch.cuda.get_device_properties(0).total_memory)
     else:  # the ranks of a node share its memory
@@ -112,8 +112,6 @@ def autotune(argv: list[str] | None) -> int:
         )
     if t.train_iters is None:
         raise ConfigError("give --train-iters: the trials run the first iterations of that schedule")
-    import torch
-
     shape = run_shape(config, args.nproc_per_node, _precision(flags, base))
     available = _available_bytes(args.nproc_per_node, args.trial_memory_limit_gb)
     found = candidates(shape, tuning, stages, available, torch.cuda.is_available())
@@ -155,10 +153,11 @@ def autotune(argv: list[str] | None) -> int:
         write_results(results, outcome, tuning.metric, None, None)
         raise ConfigError(f"no trial ran to its end_profile_step; see {exps}/*/stderr.log and the table above")
     best_config_path = results / "ds_config_optimal.json"
-    launcher = [sys.executable]
-    if args.nproc_per_node > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
-    command = [*launcher, args.script, *setting_flags(flags, outcome.best.setting, best_config_path)]
+    command = [
+        *launcher(args.nproc_per_node),
+        args.script,
+        *setting_flags(flags, outcome.best.setting, best_config_path),
+    ]
     best_config = trial_ds_config(base, outcome.best.setting)
     best_config["autotuning"] = base.get("autotuning", {})
     write_results(results, outcome, tuning.metric, best_config, shlex.join(command))
