@@ -53,7 +53,12 @@ def test_the_fixture_resumes_to_the_old_codes_losses_and_saves_format_2(corpus, 
     trainer = _resume(corpus, format1_checkpoint(tmp_path / "old"), save=tmp_path / "new")
     result = trainer.train()
     assert result.losses == expected["losses"]
-    assert [[iteration, loss] for iteration, loss in result.validation] == expected["validation"]
+    # the evaluation's reductions round differently under AVX2 and AVX-512 kernels (seen on an AMD
+    # EPYC against the fixture's Intel run: 4.7944498 vs 4.7944503); the training losses are exact on both
+    assert [iteration for iteration, _ in result.validation] == [iteration for iteration, _ in expected["validation"]]
+    assert [loss for _, loss in result.validation] == pytest.approx(
+        [loss for _, loss in expected["validation"]], rel=1e-6
+    )
     saved = read_checkpoint(tmp_path / "new" / "iter_0000004")
     assert saved.format_version == FORMAT_VERSION and not (tmp_path / "new" / "iter_0000004" / ENGINE_FILE).exists()
     assert saved.run.tokenizer == read_checkpoint(FORMAT1_CHECKPOINT / ITERATION).run.tokenizer

@@ -1,7 +1,9 @@
 """1-bit Adam (`"type": "OneBitAdam"`): before `freeze_step` DeepSpeed's Adam update (no bias
 correction) on all-reduced gradients; after it each rank's momentum of its own gradients averaged
 by the 1-bit compressed all-reduce with the variance frozen, equal on 2 gloo ranks to a
-single-process simulation of the same algorithm (tests/onebit_reference.py); and the
+single-process simulation of the same algorithm (tests/onebit_reference.py); a resume
+while compressing is exact (error feedback included) and re-splits the errors at another
+data-parallel size; bf16/fp16, overflow skips and gradient accumulation work under it; and the
 combinations DeepSpeed refuses are refused here with one sentence."""
 
 import pytest
@@ -10,9 +12,12 @@ import torch
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid
 from megatron.runtime import initialize, load_runtime_config
+from megatron.runtime.engine import Engine
+from megatron.runtime.optim.compressed import CompressedOptimizer
 from megatron.runtime.optim.onebit_adam import OneBitAdam
 from tests.dist_utils import run_distributed
 from tests.onebit_reference import ReferenceAveraging
+from tests.test_zero import Net
 
 LR, BETAS, EPS, WD, FREEZE, STEPS, RANKS = 0.01, (0.9, 0.99), 1e-8, 0.01, 2, 6, 2
 
@@ -103,7 +108,7 @@ def test_the_warm_up_is_deepspeeds_adam_without_bias_correction():
         m, v = BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
         expected -= LR * (m / (v.sqrt() + EPS) + WD * expected)
     torch.testing.assert_close(p.detach(), expected)
-    assert optimizer.steps_taken == 3 and not optimizer.compressing
+    assert optimizer.steps_taken == 3 and optimizer.reduces_gradients
 
 
 @pytest.mark.parametrize(
@@ -120,28 +125,188 @@ def test_what_deepspeed_refuses_with_it_is_refused_by_name(changes, message):
         load_runtime_config({**CONFIG, **changes}, RANKS)
 
 
-def _resumed(folder: str) -> dict[str, torch.Tensor]:
-    grid = build_parallel_grid(torch.device("cpu"))
-    engine = initialize(model(), CONFIG, grid)
-    for step in range(FREEZE + 1):  # one compressed step
-        engine.backward(loss_of(engine.module, step, grid.rank))
+def config(ranks: int, **changes: object) -> dict:
+    return {**CONFIG, "train_batch_size": 4 * ranks, **changes}
+
+
+def steps(engine: Engine, first: int, last: int, corrupt: int | None = None) -> None:
+    """Steps first..last-1; at step `corrupt` the first rank's loss is made infinite."""
+    rank = engine.parallel.rank
+    for step in range(first, last):
+        loss = loss_of(engine.module, step, rank)
+        engine.backward(loss * float("inf") if step == corrupt and rank == 0 else loss)
         engine.step()
-    engine.save_checkpoint(folder, "after_freeze")
-    momenta = [engine.optimizer.state[p]["exp_avg"].clone() for p in engine.module.parameters()]
+
+
+def parameters(engine: Engine, label: str) -> dict[str, torch.Tensor]:
+    return {f"{label}/{name}": p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def errors(engine: Engine, label: str = "errors") -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in engine.module.named_parameters():
+        if param in engine.optimizer.errors:
+            feedback = engine.optimizer.errors[param]
+            out[f"{label}/worker/{name}"], out[f"{label}/server/{name}"] = (
+                feedback.worker.clone(),
+                feedback.server.clone(),
+            )
+    return out
+
+
+def _straight_and_resumed(folder: str) -> dict[str, torch.Tensor]:
+    grid = build_parallel_grid(torch.device("cpu"))
+    straight = initialize(model(), CONFIG, grid)
+    steps(straight, 0, STEPS)
+    first = initialize(model(), CONFIG, grid)
+    steps(first, 0, FREEZE + 2)  # two compressed steps: errors and momenta that differ per rank
+    first.save_checkpoint(folder, "compressing")
     again = initialize(model(), CONFIG, grid)
-    again.load_checkpoint(folder, "after_freeze")
-    optimizer = again.optimizer
-    restored = [optimizer.state[p]["exp_avg"] for p in again.module.parameters()]
-    same = all(torch.equal(a, b) for a, b in zip(momenta, restored))
-    return {
-        "steps": torch.tensor(optimizer.steps_taken),
-        "compressing": torch.tensor(optimizer.compressing),
-        "momenta_restored": torch.tensor(same),
-        "errors_after_load": torch.tensor(len(optimizer.errors)),
+    again.load_checkpoint(folder, "compressing")
+    loaded = errors(again)
+    steps(again, FREEZE + 2, STEPS)
+    return {**parameters(straight, "straight"), **parameters(again, "resumed"), **loaded, **errors(first, "saved")}
+
+
+def test_a_resume_while_compressing_continues_bit_exactly_errors_included(tmp_path):
+    for rank in run_distributed(_straight_and_resumed, RANKS, str(tmp_path)):
+        saved = {name: v for name, v in rank.items() if name.startswith("saved/")}
+        assert saved and all(torch.equal(v, rank[name.replace("saved/", "errors/")]) for name, v in saved.items())
+        for name in (n for n in rank if n.startswith("straight/")):
+            assert torch.equal(rank[name], rank[name.replace("straight/", "resumed/")]), name
+
+
+def _saved_at_four(folder: str) -> dict[str, torch.Tensor]:
+    engine = initialize(model(), config(4), build_parallel_grid(torch.device("cpu")))
+    steps(engine, 0, FREEZE + 2)
+    engine.save_checkpoint(folder, "dp4")
+    return errors(engine)
+
+
+def _loaded_at_two(folder: str) -> dict[str, torch.Tensor]:
+    engine = initialize(model(), config(2), build_parallel_grid(torch.device("cpu")))
+    engine.load_checkpoint(folder, "dp4")
+    loaded = errors(engine)
+    steps(engine, FREEZE + 2, STEPS)
+    finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    return {**loaded, "finite": torch.tensor(finite), "steps": torch.tensor(engine.optimizer.steps_taken)}
+
+
+def test_errors_saved_at_four_ranks_are_re_split_for_two(tmp_path, capfd):
+    four = run_distributed(_saved_at_four, 4, str(tmp_path))
+    two = run_distributed(_loaded_at_two, 2, str(tmp_path))
+    assert "error feedback re-split for replica groups of another size (4 -> 2)" in capfd.readouterr().out
+    for name, param in model().named_parameters():
+        numel = param.numel()
+        mean_worker = torch.stack([rank[f"errors/worker/{name}"][:numel] for rank in four]).mean(0)
+        joined_server = torch.cat([rank[f"errors/server/{name}"] for rank in four])[:numel]
+        for rank in two:  # each rank: the saved ranks' mean worker error, zero padding
+            worker = rank[f"errors/worker/{name}"]
+            torch.testing.assert_close(worker[:numel], mean_worker, rtol=0, atol=0)
+            assert not worker[numel:].any() and worker.numel() % 16 == 0
+        torch.testing.assert_close(torch.cat([rank[f"errors/server/{name}"] for rank in two])[:numel], joined_server)
+    assert all(bool(rank["finite"]) and int(rank["steps"]) == STEPS for rank in two)
+
+
+def _bf16_or_fp16(precision: str) -> dict[str, torch.Tensor]:
+    grid = build_parallel_grid(torch.device("cpu"))
+    precisions = {
+        "bf16": {"bf16": {"enabled": True}},
+        "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}},
     }
+    engine = initialize(model(), config(RANKS, **precisions[precision]), grid)
+    start = parameters(engine, "start")
+    steps(engine, 0, FREEZE + 1)
+    before = {**parameters(engine, "before"), **errors(engine, "before")}
+    scale = engine.loss_scaler.scale
+    steps(engine, FREEZE + 1, FREEZE + 2, corrupt=FREEZE + 1)  # one rank's overflow while compressing
+    skipped = {**parameters(engine, "skipped"), **errors(engine, "skipped")}
+    scale_ratio = engine.loss_scaler.scale / scale if precision == "fp16" else 0.5  # bf16 has no loss scale
+    steps(engine, FREEZE + 2, STEPS)
+    return {
+        **start, **before, **skipped, **parameters(engine, "end"),
+        "scale_ratio": torch.tensor(scale_ratio),
+        "skipped_steps": torch.tensor(engine.skipped_steps),
+    }  # fmt: skip
 
 
-def test_a_checkpoint_resumes_the_freeze_and_the_momenta_and_starts_the_errors_at_zero(tmp_path):
-    for rank in run_distributed(_resumed, RANKS, str(tmp_path)):
-        assert int(rank["steps"]) == FREEZE + 1 and bool(rank["compressing"]) and bool(rank["momenta_restored"])
-        assert int(rank["errors_after_load"]) == 0  # DeepSpeed resets them on load too
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_under_bf16_and_fp16_replicas_stay_equal_and_an_overflow_skips_on_every_rank(precision):
+    ranks = run_distributed(_bf16_or_fp16, RANKS, precision)
+    for name in (n for n in ranks[0] if n.startswith("end/")):
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # the compressed mean is the same everywhere
+        assert not torch.equal(ranks[0][name], ranks[0][name.replace("end/", "start/")])
+    for rank in ranks:  # the skipped step changed nothing: parameters and errors as before it
+        assert int(rank["skipped_steps"]) == 1 and float(rank["scale_ratio"]) == 0.5
+        for name in (n for n in rank if n.startswith("before/")):
+            assert torch.equal(rank[name], rank[name.replace("before/", "skipped/")]), name
+
+
+def _accumulated(micro_batches: int) -> dict[str, torch.Tensor]:
+    """Each rank's 4 rows of a step as one micro-batch, or as `micro_batches` accumulated."""
+    grid = build_parallel_grid(torch.device("cpu"))
+    engine = initialize(model(), config(RANKS, train_micro_batch_size_per_gpu=4 // micro_batches), grid)
+    rows = 4 // micro_batches
+    for step in range(STEPS):
+        x, y = batch(step, grid.rank)
+        for micro in range(micro_batches):
+            part = slice(micro * rows, (micro + 1) * rows)
+            engine.backward(((engine(x[part]) - y[part]) ** 2).mean())
+            engine.step()
+    return parameters(engine, "p")
+
+
+def test_gradient_accumulation_equals_one_micro_batch_of_the_same_rows():
+    whole, accumulated = run_distributed(_accumulated, RANKS, 1), run_distributed(_accumulated, RANKS, 2)
+    for one, two in zip(whole, accumulated):
+        for name, value in one.items():
+            torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _expert_parallel_first_compressed_step() -> dict[str, torch.Tensor]:
+    """4 ranks, EP=2: dense parameters have 4 replicas, each expert 2 (its expert-data-parallel
+    group). At the first compressed step each rank's momentum of its own gradients goes into the
+    compressed mean; the mean of those over the replicas must be the momentum plain Adam would
+    have made from the reduced gradients."""
+    grid = build_parallel_grid(torch.device("cpu"), ep_size=2)
+    optimizer = {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 1, "betas": list(BETAS)}}
+    engine = initialize(Net(True, grid.ep_group), {"train_batch_size": 8, "optimizer": optimizer}, grid)
+    sent: dict[torch.Tensor, torch.Tensor] = {}
+    averaged = CompressedOptimizer.compressed_mean
+
+    def recording(self: CompressedOptimizer, key: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        sent[key] = flat.clone()
+        return averaged(self, key, flat)
+
+    CompressedOptimizer.compressed_mean = recording
+    out = {}
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = (
+            torch.randn(8, 3, 15, generator=g)[2 * grid.rank :][:2],
+            torch.randn(8, 3, 1, generator=g)[2 * grid.rank :][:2],
+        )
+        engine.backward(((engine(x) - y) ** 2).mean())
+        if step == 1:
+            for name, param in engine.module.named_parameters():
+                group = engine.optimizer.replica_group(param)
+                reduced = param.grad.clone()
+                torch.distributed.all_reduce(reduced, group=group)
+                momentum = engine.optimizer.state[param]["exp_avg"]
+                out[f"expected/{name}"] = BETAS[0] * momentum + (1 - BETAS[0]) * reduced / grid.dp_size
+                out[f"replicas/{name}"] = torch.tensor(torch.distributed.get_world_size(group))
+        engine.step()
+    for name, param in engine.module.named_parameters():
+        group = engine.optimizer.replica_group(param)
+        mean = sent[param].clone()
+        torch.distributed.all_reduce(mean, group=group)
+        out[f"sent_mean/{name}"] = (mean / torch.distributed.get_world_size(group)).view_as(param)
+    return out
+
+
+def test_under_expert_parallelism_experts_average_over_their_replicas_and_dense_over_all():
+    for rank in run_distributed(_expert_parallel_first_compressed_step, 4):
+        names = [n.removeprefix("expected/") for n in rank if n.startswith("expected/")]
+        assert {int(rank[f"replicas/{n}"]) for n in names} == {2, 4}  # experts' groups and the dense one
+        for name in names:
+            torch.testing.assert_close(rank[f"sent_mean/{name}"], rank[f"expected/{name}"], msg=name)

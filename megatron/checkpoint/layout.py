@@ -7,6 +7,7 @@ DIR/iter_0000010/                        one checkpoint
     model_rank00000.safetensors          tensors under global names (tensors.py), one file per writing rank
     optimizer_rank00000.safetensors      (and -1, -2, ... for each further 256 MiB)
     rng_rank00000.safetensors
+    compression_rank00000.safetensors    1-bit optimizers' error feedback: each rank's own (with its place)
 DIR/iter_0000010.tmp/                    a save in progress; a leftover one is removed
 DIR/iter_0000010.old/                    the earlier save of the same iteration while a new one replaces it
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
 ENGINE_FILE = "engine.json"
-MODEL, OPTIMIZER, RNG = "model", "optimizer", "rng"
+MODEL, OPTIMIZER, RNG, COMPRESSION = "model", "optimizer", "rng", "compression"
 STAGING_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".old"
 

@@ -17,14 +17,14 @@ import errno
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
 from megatron.checkpoint.durable import fsync_path, replace_durably
-from megatron.checkpoint.layout import MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
+from megatron.checkpoint.layout import COMPRESSION, MODEL, OPTIMIZER, RNG, rank_file, replaced_folder, staging_folder
 from megatron.checkpoint.manifest import (
     FORMAT_VERSION,
     EngineRecord,
@@ -43,8 +43,18 @@ PART_BYTES = 256 << 20  # a rank's tensors go into files of about this size
 
 
 @dataclass
+class RankOwnState:
+    """Tensors that fit only the rank holding them (a 1-bit optimizer's error feedback), with the
+    metadata a run on another layout needs to re-split them."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class EngineState:
-    """What one rank writes: its model and optimizer entries, and (first rank) the engine's record."""
+    """What one rank writes: its model and optimizer entries, its own state, and (first rank) the
+    engine's record."""
 
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
@@ -52,6 +62,10 @@ class EngineState:
     grid: ParallelGrid
     zero_stage: int
     precision: str
+    rank_own: RankOwnState | None = None
+
+    def tensor_sets(self) -> list[dict[str, torch.Tensor]]:
+        return [self.model, self.optimizer, *([self.rank_own.tensors] if self.rank_own else [])]
 
 
 def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -68,7 +82,7 @@ def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 def _refuse_nonfinite(state: EngineState, final: Path) -> None:
-    bad = first_nonfinite(state.model) or first_nonfinite(state.optimizer)
+    bad = next((name for tensors in state.tensor_sets() if (name := first_nonfinite(tensors))), None)
     found = [(rank, name) for rank, name in enumerate(state.grid.gather_from_all(bad)) if name]
     if found:
         rank, name = found[0]
@@ -79,7 +93,7 @@ def _refuse_nonfinite(state: EngineState, final: Path) -> None:
 
 
 def _bytes_needed(state: EngineState) -> int:
-    local = sum(t.nbytes for part in (state.model, state.optimizer) for t in part.values())
+    local = sum(t.nbytes for part in state.tensor_sets() for t in part.values())
     files = 4 + local // PART_BYTES
     return sum(state.grid.gather_from_all(local + files * _FILE_OVERHEAD_BYTES))
 
@@ -110,10 +124,12 @@ class _RankWriter:
     def _written(self, name: str, record: FileRecord) -> None:
         self.pending[name] = (self.pool.submit(fsync_path, self.folder / name), record)
 
-    def tensors(self, stem: str, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    def tensors(
+        self, stem: str, rank: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    ) -> None:
         for part, entries in enumerate(_parts(tensors)):
             name = rank_file(stem, rank, part)
-            self._written(name, save_tensors(self.folder / name, entries))
+            self._written(name, save_tensors(self.folder / name, entries, metadata))
 
     def rng(self, rank: int) -> None:
         self._written(rank_file(RNG, rank), save_rng_state(self.folder / rank_file(RNG, rank)))
@@ -135,6 +151,8 @@ def _write_rank_files(folder: Path, state: EngineState) -> tuple[dict[str, FileR
         writer.rng(rank)
         writer.tensors(MODEL, rank, state.model)
         writer.tensors(OPTIMIZER, rank, state.optimizer)
+        if state.rank_own is not None:
+            writer.tensors(COMPRESSION, rank, state.rank_own.tensors, state.rank_own.metadata)
         return writer.records(), None
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         writer.pool.shutdown(cancel_futures=True)

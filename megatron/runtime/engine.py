@@ -40,7 +40,7 @@ from megatron.runtime.loss_scaler import build_loss_scaler
 from megatron.runtime.lr_schedules import build_scheduler
 from megatron.runtime.monitor import EngineMonitor
 from megatron.runtime.nonfinite import NonFiniteStep, nonfinite_ranks
-from megatron.runtime.optim.onebit_adam import OneBitAdam
+from megatron.runtime.optim.compressed import CompressedOptimizer
 from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.profiled_step import ProfiledStep
 from megatron.runtime.replicated import Replicated
@@ -203,9 +203,14 @@ class Engine:
             return
         self.monitor.start("step")
         strategy = self.strategy
-        # past its warm-up 1-bit Adam averages its momenta instead (ZeRO stage 0 only: the config checks)
+        # a compressed optimizer averages tensors of its own instead on some steps (ZeRO stage 0 only:
+        # the config checks)
         optimizer = self.optimizer
-        local = isinstance(optimizer, OneBitAdam) and optimizer.compressing and isinstance(strategy, Replicated)
+        local = (
+            isinstance(optimizer, CompressedOptimizer)
+            and not optimizer.reduces_gradients
+            and isinstance(strategy, Replicated)
+        )
         with timed("all-grads-sync"):
             for param in self.pipeline_shared:
                 all_reduce(param.grad, self.parallel.embedding_group)

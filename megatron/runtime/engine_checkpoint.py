@@ -23,6 +23,8 @@ from megatron.checkpoint.tensors import (
     tensor_parallel_splits,
 )
 from megatron.errors import ConfigError
+from megatron.runtime.optim.compressed import CompressedOptimizer
+from megatron.runtime.optim.rank_own_state import rank_own_state, restore_rank_own_state
 from megatron.runtime.schedule_resume import restore_schedule
 
 if TYPE_CHECKING:
@@ -61,7 +63,13 @@ def checkpoint_state(engine: "Engine", client_state: dict[str, Any] | None = Non
         if grid.is_first_rank
         else None
     )
-    return EngineState(model, optim, record, grid, engine.strategy.stage, engine.precision)
+    optimizer = engine.optimizer
+    own = rank_own_state(optimizer, _names(engine)) if isinstance(optimizer, CompressedOptimizer) else None
+    return EngineState(model, optim, record, grid, engine.strategy.stage, engine.precision, own)
+
+
+def _names(engine: "Engine") -> dict[torch.Tensor, str]:
+    return {param: name for name, param in engine.module.named_parameters()}
 
 
 def save_16bit_model(engine: "Engine", save_dir: str | Path, save_filename: str = "model.safetensors") -> bool:
@@ -158,6 +166,8 @@ def restore(engine: "Engine", folder: Path, saved: EngineRecord, load_optimizer:
                 "to start the optimizer afresh with the new settings",
                 flush=True,
             )
+        if isinstance(engine.optimizer, CompressedOptimizer):
+            restore_rank_own_state(engine.optimizer, _names(engine), folder, engine.parallel)
         engine.loss_scaler.load_state_dict(saved.loss_scaler)
         # count micro-batches in this run's accumulation: another data-parallel size changes it
         engine.global_steps = saved.global_steps
