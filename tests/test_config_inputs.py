@@ -68,7 +68,10 @@ BAD_CONFIGS = [
     ({"optimizer": {"params": {"eps": -1}}}, r"bad value -1 for 'optimizer.params.eps' .* greater than 0"),
     ({"optimizer": {"params": {"weight_decy": 0.1}}}, r"unknown key 'optimizer.params.weight_decy' .* 'weight_decay'"),
     ({"optimizer": {"type": "Adam", "params": {"max_coeff": 5}}}, r"max_coeff is not a parameter of Adam"),
-    ({"optimizer": {"type": "ZeroOneAdam"}}, r"'optimizer.type' .* 'Adam', 'AdamW', 'Lamb' or 'OneBitAdam'"),
+    (
+        {"optimizer": {"type": "Adagrad"}},
+        r"'optimizer.type' .* 'Adam', 'AdamW', 'Lamb', 'OneBitAdam', 'ZeroOneAdam' or 'OneBitLamb'",
+    ),
     ({"train_batch_size": "8"}, r"'train_batch_size' is the string \"8\" in .*; write it without quotes: 8"),
     ({"train_batch_size": True}, r"'train_batch_size' .* valid integer"),
     ({"train_batch_size": 0}, r"'train_batch_size' .* greater than or equal to 1"),

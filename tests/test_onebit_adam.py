@@ -37,6 +37,16 @@ def loss_of(net: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
     return ((net(x) - y) ** 2).mean()
 
 
+def replica_gradients(replicas: list[torch.nn.Module], step: int) -> list[dict[str, torch.Tensor]]:
+    """Each simulated rank's own gradients at step `step` (0-based), by parameter name."""
+    grads = []
+    for rank, replica in enumerate(replicas):
+        replica.zero_grad()
+        loss_of(replica, step, rank).backward()
+        grads.append({n: p.grad.clone() for n, p in replica.named_parameters()})
+    return grads
+
+
 CONFIG = {
     "train_batch_size": 4 * RANKS,
     "optimizer": {
@@ -66,11 +76,7 @@ def simulated() -> dict[str, torch.Tensor]:
     v = {n: torch.zeros_like(params[0][n]) for n in names}
     averaging = {n: ReferenceAveraging(-(-params[0][n].numel() // (8 * RANKS)) * 8 * RANKS, RANKS) for n in names}
     for step in range(STEPS):
-        grads = []
-        for rank, replica in enumerate(replicas):
-            replica.zero_grad()
-            loss_of(replica, step, rank).backward()
-            grads.append({n: p.grad.clone() for n, p in replica.named_parameters()})
+        grads = replica_gradients(replicas, step)
         for n in names:
             if step < FREEZE:  # all-reduced gradients, Adam without bias correction
                 g = sum(gr[n] for gr in grads) / RANKS

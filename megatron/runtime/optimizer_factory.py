@@ -12,10 +12,19 @@ from megatron.errors import ConfigError
 from megatron.parallel import ParallelGrid
 from megatron.placement import expert_ids
 from megatron.runtime.config.schema import RuntimeConfig
+from megatron.runtime.optim.compressed import CompressedOptimizer
 from megatron.runtime.optim.cpu_adam import CPUAdam
 from megatron.runtime.optim.lamb import Lamb
 from megatron.runtime.optim.onebit_adam import OneBitAdam
+from megatron.runtime.optim.onebit_lamb import OneBitLamb
+from megatron.runtime.optim.zero_one_adam import ZeroOneAdam
 from megatron.runtime.swap.swapped_adam import SwappedAdam
+
+COMPRESSED: dict[str, type[CompressedOptimizer]] = {
+    "OneBitAdam": OneBitAdam,
+    "ZeroOneAdam": ZeroOneAdam,
+    "OneBitLamb": OneBitLamb,
+}
 
 
 def build_optimizer(
@@ -51,8 +60,8 @@ def build_optimizer(
     try:
         if kind == "Lamb":
             return Lamb(groups, **params)
-        if kind == "OneBitAdam":  # its momenta are averaged over each parameter's replicas in `grid`
-            return OneBitAdam(groups, grid=grid, **params)
+        if kind in COMPRESSED:  # they average tensors of their own over each parameter's replicas in `grid`
+            return COMPRESSED[kind](groups, grid=grid, **params)
         if offload.device != "none":
             if next(model.parameters()).device.type != "cpu":
                 raise ConfigError(

@@ -9,6 +9,9 @@ if TYPE_CHECKING:  # schema.py calls this module when it validates a config
     from megatron.runtime.config.schema import RuntimeConfig
 
 
+COMPRESSED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+
+
 def refuse_contradictions(config: "RuntimeConfig") -> None:
     kind = config.optimizer.type
     if kind == "Lamb" and config.zero_optimization.stage:
@@ -17,7 +20,7 @@ def refuse_contradictions(config: "RuntimeConfig") -> None:
             "flat shards; use Adam/AdamW with ZeRO, or zero_optimization.stage 0 with Lamb"
         )
     offloaded = config.zero_optimization.offload_optimizer.device != "none"
-    if kind == "OneBitAdam":
+    if kind in COMPRESSED_OPTIMIZERS:
         refuse_onebit_contradictions(config, offloaded)
         return
     if kind != "Lamb" and not offloaded and not config.optimizer.params.given().get("bias_correction", True):
@@ -41,17 +44,19 @@ def tied_embedding_refusal(zero_stage: int) -> str | None:
 
 
 def refuse_onebit_contradictions(config: "RuntimeConfig", offloaded: bool) -> None:
-    """What 1-bit Adam runs with, as in DeepSpeed: ZeRO stage 0, the optimizer on the device, and
-    the plain mean of the gradients over data parallelism (its momenta are averaged the same way)."""
+    """What the 1-bit optimizers run with, as in DeepSpeed: ZeRO stage 0, the optimizer on the
+    device, and the plain mean of the gradients over data parallelism (their own tensors are
+    averaged the same way)."""
+    kind = config.optimizer.type
     if config.zero_optimization.stage:
         raise ConfigError(
-            f"optimizer OneBitAdam compresses whole momenta, which ZeRO stage {config.zero_optimization.stage} "
+            f"optimizer {kind} compresses whole momenta, which ZeRO stage {config.zero_optimization.stage} "
             "partitions (DeepSpeed refuses the pair too); use zero_optimization.stage 0"
         )
     if offloaded:
-        raise ConfigError("optimizer OneBitAdam runs on the device; remove zero_optimization.offload_optimizer")
+        raise ConfigError(f"optimizer {kind} runs on the device; remove zero_optimization.offload_optimizer")
     if config.prescale_gradients or config.gradient_predivide_factor != 1.0 or config.gradient_allreduce_op != "mean":
         raise ConfigError(
-            "optimizer OneBitAdam averages its momenta over data parallelism; drop prescale_gradients, "
+            f"optimizer {kind} averages its momenta over data parallelism; drop prescale_gradients, "
             "gradient_predivide_factor and gradient_allreduce_op sum"
         )

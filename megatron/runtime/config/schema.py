@@ -43,9 +43,23 @@ from megatron.runtime.config.schema_types import (
     ZeroStage,
 )
 
-ADAM_ONLY = ("adam_w_mode", "amsgrad")
-LAMB_ONLY = ("max_coeff", "min_coeff")
-ONEBIT_ONLY = ("freeze_step", "cuda_aware", "comm_backend_name")
+# the parameters each optimizer type takes, as DeepSpeed's classes do
+_COMMON = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm")
+_ADAM = (*_COMMON, "adam_w_mode", "amsgrad")
+_LAMB = (*_COMMON, "max_coeff", "min_coeff")
+_TRANSPORT = ("cuda_aware", "comm_backend_name")
+PARAMETERS_OF = {
+    "Adam": _ADAM,
+    "AdamW": _ADAM,
+    "Lamb": _LAMB,
+    "OneBitAdam": (*_COMMON, "freeze_step", *_TRANSPORT),
+    "ZeroOneAdam": (
+        *_COMMON, "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", *_TRANSPORT
+    ),
+    "OneBitLamb": (
+        *_LAMB, "freeze_step", "coeff_beta", "factor_max", "factor_min", "factor_threshold", *_TRANSPORT
+    ),
+}  # fmt: skip
 
 
 class OptimizerParams(Section):
@@ -65,9 +79,17 @@ class OptimizerParams(Section):
     max_coeff: Positive = 10.0
     min_coeff: NonNegative = 0.01
     max_grad_norm: NonNegative | None = None  # refused below, with the key to use
-    freeze_step: Count = 100000  # OneBitAdam: Adam's warm-up steps before compression
-    cuda_aware: bool = False  # OneBitAdam: DeepSpeed's transport choices, torch.distributed's here
+    freeze_step: Count = 100000  # OneBitAdam, OneBitLamb: uncompressed warm-up steps
+    cuda_aware: bool = False  # the 1-bit optimizers: DeepSpeed's transport choices, torch.distributed's here
     comm_backend_name: str = "nccl"
+    var_freeze_step: Count = 100000  # ZeroOneAdam: the last step that may update the variance
+    var_update_scaler: PositiveCount = 16  # ZeroOneAdam: variance updates before their interval doubles
+    local_step_scaler: PositiveCount = 32678  # ZeroOneAdam: local steps before their interval doubles
+    local_step_clipper: PositiveCount = 16  # ZeroOneAdam: the longest interval between synchronisations
+    coeff_beta: Beta = 0.9  # OneBitLamb: running average of the warm-up's LAMB coefficients
+    factor_max: Positive = 4.0  # OneBitLamb: bounds of the frozen coefficient's scaling factor
+    factor_min: NonNegative = 0.5
+    factor_threshold: NonNegative = 0.1  # OneBitLamb: how far the factor may move in one step
 
     def model_post_init(self, context: Any) -> None:
         if "max_grad_norm" in self.model_fields_set:  # DeepSpeed's engine refuses it the same way
@@ -79,7 +101,7 @@ class OptimizerParams(Section):
         return self.model_dump(include=self.model_fields_set)
 
 
-OPTIMIZERS = ("Adam", "AdamW", "Lamb", "OneBitAdam")
+OPTIMIZERS = tuple(PARAMETERS_OF)
 
 
 def _optimizer_name(name: Any) -> Any:
@@ -94,10 +116,7 @@ class OptimizerConfig(OptimizerKeys):
     params: OptimizerParams = OptimizerParams()
 
     def model_post_init(self, context: Any) -> None:
-        foreign = {"Lamb": ADAM_ONLY + ONEBIT_ONLY, "OneBitAdam": ADAM_ONLY + LAMB_ONLY}.get(
-            self.type, LAMB_ONLY + ONEBIT_ONLY
-        )
-        wrong = sorted(set(foreign) & self.params.model_fields_set)
+        wrong = sorted(self.params.model_fields_set - set(PARAMETERS_OF[self.type]))
         if wrong:
             raise ValueError(f"{wrong[0]} is not a parameter of {self.type}; remove it or change optimizer.type")
 

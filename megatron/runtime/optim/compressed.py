@@ -10,7 +10,7 @@ own checkpoint file (megatron/runtime/optim/rank_own_state.py) so that a resumed
 exactly."""
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,36 @@ from megatron.parallel import ParallelGrid, is_parallel
 from megatron.placement import placement_of
 
 
+class AdamParams(TypedDict, total=False):
+    """The parameters every 1-bit optimizer takes, DeepSpeed's names and defaults."""
+
+    lr: float  # 1e-3
+    betas: tuple[float, float]  # (0.9, 0.999)
+    eps: float  # 1e-8
+    weight_decay: float  # 0
+    # DeepSpeed's 1-bit optimizers ignore bias_correction (their updates have none), and
+    # cuda_aware / comm_backend_name choose its transport: torch.distributed's carries them here
+    bias_correction: bool
+    cuda_aware: bool
+    comm_backend_name: str
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], grid: ParallelGrid | None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        grid: ParallelGrid | None,
+        group_defaults: dict[str, Any] | None = None,
+        **adam: Unpack[AdamParams],
+    ) -> None:
+        """`group_defaults`: settings of the optimizer's own kept per parameter group besides Adam's."""
+        defaults = dict(
+            lr=adam.get("lr", 1e-3),
+            betas=tuple(adam.get("betas", (0.9, 0.999))),
+            eps=adam.get("eps", 1e-8),
+            weight_decay=adam.get("weight_decay", 0.0),
+            **(group_defaults or {}),
+        )
         super().__init__(params, defaults)
         self.grid = grid
         # one error-feedback pair per averaged buffer, keyed by the parameter it belongs to (1-bit

@@ -62,9 +62,14 @@ class Lamb(torch.optim.Optimizer):
                 update = (exp_avg / first) / ((exp_avg_sq / second).sqrt_().add_(group["eps"]))
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
-                weight_norm, update_norm = param.norm(), update.norm()
-                trust = 1.0
-                if weight_norm > 0 and update_norm > 0:
-                    trust = float((weight_norm / update_norm).clamp(group["min_coeff"], group["max_coeff"]))
+                trust = trust_ratio(param, update, group["min_coeff"], group["max_coeff"])
                 param.add_(update, alpha=-group["lr"] * trust)
         return loss
+
+
+def trust_ratio(param: torch.Tensor, update: torch.Tensor, min_coeff: float, max_coeff: float) -> float:
+    """||w|| / ||update|| clamped to [min_coeff, max_coeff]; 1 where either norm is zero."""
+    weight_norm, update_norm = param.norm(), update.norm()
+    if weight_norm > 0 and update_norm > 0:
+        return float((weight_norm / update_norm).clamp(min_coeff, max_coeff))
+    return 1.0

@@ -8,34 +8,26 @@ The update is DeepSpeed's: m / (sqrt(v) + eps), plus weight_decay x p, times lr,
 correction."""
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from megatron.parallel import ParallelGrid
 from megatron.runtime.optim.adam_state import adam_state
-from megatron.runtime.optim.compressed import CompressedOptimizer
+from megatron.runtime.optim.compressed import AdamParams, CompressedOptimizer
 
 
 class OneBitAdam(CompressedOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
         freeze_step: int = 100000,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        bias_correction: bool = True,
-        cuda_aware: bool = False,
-        comm_backend_name: str = "nccl",
         grid: ParallelGrid | None = None,
+        **adam: Unpack[AdamParams],
     ) -> None:
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), grid)
+        super().__init__(params, grid, **adam)
         self.freeze_step = freeze_step
         self.announced = False
-        # cuda_aware and comm_backend_name pick DeepSpeed's transport, bias_correction it ignores too:
-        # torch.distributed carries the exchanges here, and the update has no bias correction
 
     @property
     def reduces_gradients(self) -> bool:

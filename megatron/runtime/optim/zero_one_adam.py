@@ -1,0 +1,153 @@
+"""DeepSpeed's 0/1 Adam (Lu et al. 2022, `"type": "ZeroOneAdam"`): Adam whose variance is updated
+ever more rarely and whose replicas synchronise ever more rarely, with 1-bit compression for what
+they do exchange.
+
+- Up to `var_freeze_step`: the variance is updated on steps whose number is a multiple of an
+  interval that starts at 1 and doubles after every `var_update_scaler` updates; only those steps'
+  gradients are all-reduced by the engine. On the others each rank's gradient is averaged by the
+  1-bit compressed all-reduce and only the momentum moves.
+- After it (the variance frozen, the error buffers restarted): each rank steps alone on its own
+  gradients and sums its updates; every `local_step_interval` steps (1, doubling after every
+  `local_step_scaler` local steps, at most `local_step_clipper`) the replicas undo their local
+  steps, average the summed updates (scaled back to momentum units by sqrt(v) + eps) by the
+  compressed all-reduce, apply that mean and take the momentum from it.
+
+Between synchronisations the replicas' parameters, momenta and summed updates differ, so those go
+into each rank's own checkpoint file with the errors (replica_local). The update is DeepSpeed's:
+m / (sqrt(v) + eps) + weight_decay x p, times lr, without bias correction. Unlike DeepSpeed's,
+the first step updates the parameters (DeepSpeed's first call only sets up its buffers)."""
+
+from collections.abc import Iterable
+from typing import Any, Unpack
+
+import torch
+
+from megatron.parallel import ParallelGrid
+from megatron.runtime.optim.adam_state import adam_state
+from megatron.runtime.optim.compressed import AdamParams, CompressedOptimizer
+
+# the interval bookkeeping, the same in every parameter's state (as DeepSpeed keeps it), as tensors
+# so that checkpoints hold it
+_COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs")
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        grid: ParallelGrid | None = None,
+        **adam: Unpack[AdamParams],
+    ) -> None:
+        super().__init__(params, grid, **adam)
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+
+    def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = adam_state(self, param)
+        if "momentum_accumulator" not in state:
+            state.update({key: torch.zeros(()) for key in _COUNTERS})
+            state["var_interval"].fill_(1)
+            state["local_step_interval"].fill_(1)
+            state["momentum_accumulator"] = torch.zeros_like(param)
+        return state
+
+    def _counter(self, key: str, default: int) -> int:
+        first = next((self.state[p] for group in self.param_groups for p in group["params"] if p in self.state), None)
+        return default if first is None or key not in first else int(first[key])
+
+    @property
+    def frozen(self) -> bool:
+        """Past `var_freeze_step`: local steps with periodic compressed synchronisation."""
+        return self.steps_taken > self.var_freeze_step
+
+    @property
+    def reduces_gradients(self) -> bool:
+        return not self.frozen and (self.steps_taken + 1) % self._counter("var_interval", 1) == 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        frozen = self.frozen
+        if frozen and self.steps_taken == self.var_freeze_step + 1:
+            self.errors.clear()  # they held gradients' errors; from here on they hold updates'
+            self.print_once(f"variance frozen: local steps from step {self.steps_taken + 1}")
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._step_one(param, self._state(param), group, frozen)
+
+    def _step_one(
+        self, param: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], frozen: bool
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, exp_avg, exp_avg_sq = group["lr"], group["eps"], state["exp_avg"], state["exp_avg_sq"]
+        state["step"] += 1
+        step, grad = int(state["step"]), param.grad
+        variance_step = not frozen and step % int(state["var_interval"]) == 0
+        if frozen:
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+            state["lrs"] += lr
+        elif variance_step:  # the engine all-reduced this step's gradients
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        else:
+            averaged = self.compressed_mean(param, grad.reshape(-1)).view_as(param)
+            exp_avg.mul_(beta1).add_(averaged, alpha=1 - beta1)
+        update = exp_avg / (exp_avg_sq.sqrt() + eps)
+        if group["weight_decay"] > 0:
+            update.add_(param, alpha=group["weight_decay"])
+        param.add_(update, alpha=-lr)
+        if frozen:
+            self._local_step(param, state, update, lr, eps, step)
+        elif variance_step:
+            state["var_counter"] += 1
+            if int(state["var_counter"]) == self.var_update_scaler:
+                state["var_counter"].zero_()
+                state["var_interval"] *= 2
+
+    def _local_step(
+        self,
+        param: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        update: torch.Tensor,
+        lr: float,
+        eps: float,
+        step: int,
+    ) -> None:
+        """Sum the local update; at an interval's end replace the replicas' local steps by their
+        compressed mean."""
+        summed = state["momentum_accumulator"]
+        summed.add_(update, alpha=-lr)
+        if step % int(state["local_step_interval"]) == 0:
+            denominator = state["exp_avg_sq"].sqrt() + eps
+            param.sub_(summed)  # back to the point the replicas last shared
+            summed.mul_(denominator)
+            summed.copy_(self.compressed_mean(param, summed.reshape(-1)).view_as(param))
+            state["exp_avg"].copy_(summed / -state["lrs"])
+            param.add_(summed / denominator)
+            summed.zero_()
+            state["lrs"].zero_()
+        state["local_step_counter"] += 1
+        if int(state["local_step_counter"]) == self.local_step_scaler:
+            state["local_step_counter"].zero_()
+            state["local_step_interval"].copy_(
+                torch.clamp(state["local_step_interval"] * 2, max=self.local_step_clipper)
+            )
+
+    def replica_local(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        if not self.frozen:
+            return {}
+        return {
+            param: {
+                "param": param.data,
+                "exp_avg": state["exp_avg"],
+                "momentum_accumulator": state["momentum_accumulator"],
+            }
+            for param, state in self.state.items()
+            if "momentum_accumulator" in state
+        }
