@@ -178,7 +178,7 @@ CONFIGS = [
         "curriculum sampling on",
         '{"train_batch_size": 4, "data_efficiency": {"enabled": true,'
         ' "data_sampling": {"enabled": true, "curriculum_learning": {"enabled": true}}}}',
-        "data_efficiency in .* turns on data efficiency's curriculum sampling or random-LTD",
+        "data_efficiency.data_sampling in .* turns on data efficiency's curriculum sampling, which this toolkit",
         [],
     ),
     (
@@ -188,10 +188,19 @@ CONFIGS = [
         [],
     ),
     (
-        "random-LTD on",
+        "random-LTD on without its layers",
         '{"train_batch_size": 4, "data_efficiency": {"enabled": true,'
         ' "data_routing": {"enabled": true, "random_ltd": {"enabled": true}}}}',
-        "data_efficiency in .* turns on data efficiency's curriculum sampling or random-LTD",
+        "random_ltd needs random_ltd_layer_id and random_ltd_schedule when enabled",
+        [],
+    ),
+    (
+        "random-LTD on under an umbrella turned off",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": false, "data_routing": {"enabled": true,'
+        ' "random_ltd": {"enabled": true, "random_ltd_layer_id": [1],'
+        ' "random_ltd_schedule": {"min_value": 8, "max_value": 16,'
+        ' "schedule_config": {"require_steps": 10, "seq_per_step": 8}}}}}}',
+        "random_ltd.enabled is true under a data_efficiency or data_routing block with enabled false",
         [],
     ),
     (

@@ -87,6 +87,7 @@ class TrainingConfig:
     max_consecutive_skipped_iterations: int  # 0: no limit
     deepspeed_config: str | None  # the --deepspeed_config file, named in messages
     curriculum_learning_legacy: bool = False  # Megatron-DeepSpeed's flag for the ds_config curriculum_learning block
+    random_ltd: bool = False  # Megatron-DeepSpeed's flag for the ds_config data_routing.random_ltd block
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -511,6 +512,12 @@ def build_parser(sizing: bool = False) -> FlagParser:
         "(Megatron-DeepSpeed's flag; the block turns it on)",
     )
     g.add_argument(
+        "--random-ltd",
+        action="store_true",
+        help="random layerwise token dropping from the ds_config data_efficiency.data_routing.random_ltd block "
+        "(Megatron-DeepSpeed's flag; the block turns it on)",
+    )
+    g.add_argument(
         "--zero-stage",
         type=int,
         choices=[0, 1, 2, 3],
@@ -802,6 +809,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
         deepspeed_config=args.deepspeed_config,
         curriculum_learning_legacy=args.curriculum_learning_legacy,
+        random_ltd=args.random_ltd,
     )
     _check_lr_spans(training)
     logging = LoggingConfig(

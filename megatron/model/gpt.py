@@ -15,7 +15,12 @@ index; the first stage embeds the tokens, the others take the previous stage's h
 every stage but the last returns its hidden states instead of logits or losses. Every stage builds
 the whole model's parameters in order, a layer at a time, and keeps its own, so each starts from
 the weights one process would have.
+
+With `random_ltd` set (by the trainer), its layers see a random share of the tokens in training
+(megatron/model/random_ltd.py).
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,11 +30,12 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.errors import ConfigError
 from megatron.model.config import GPTConfig
-from megatron.model.kv_cache import KVCache
+from megatron.model.kv_cache import KVCache, LayerKVCache
 from megatron.model.moe import MoELayer
 from megatron.model.moe.shared_expert import SharedExpert
 from megatron.model.output import GPTOutput
 from megatron.model.pipeline_stage import PipelineStage
+from megatron.model.random_ltd import RandomLTD, through_kept_tokens
 from megatron.model.tensor_parallel import (
     ColumnParallelLinear,
     TensorParallel,
@@ -40,7 +46,7 @@ from megatron.model.tensor_parallel import (
     sequence_gathered_linear,
     vocab_parallel_cross_entropy,
 )
-from megatron.model.transformer import MLP, TransformerBlock, build_norm, init_normal_, output_layer_std
+from megatron.model.transformer import MLP, BlockOutput, TransformerBlock, build_norm, init_normal_, output_layer_std
 from megatron.placement import place
 
 
@@ -75,6 +81,7 @@ class GPTModel(nn.Module):
         self.config = config
         self.tp = tp
         self.stage = stage = stage or PipelineStage(0, 1, 0, config.num_layers)
+        self.random_ltd: RandomLTD | None = None  # the trainer's, under a ds_config that turns it on
         tied = not config.untie_embeddings_and_output_weights
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         init_normal_(self.word_embeddings.weight, config.init_method_std)
@@ -158,6 +165,15 @@ class GPTModel(nn.Module):
             device=weight.device,
         )
 
+    def _layer_call(
+        self, layer: TransformerBlock, cache: LayerKVCache | None
+    ) -> Callable[[torch.Tensor, torch.Tensor], BlockOutput]:
+        """The layer as a function of (hidden states, positions): recomputed in backward under
+        activation checkpointing in training, with its KV cache in generation."""
+        if self.config.checkpoint_activations and self.training and cache is None:
+            return lambda x_BSH, position_ids_BS: checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
+        return lambda x_BSH, position_ids_BS: layer(x_BSH, position_ids_BS, cache)
+
     def forward(
         self,
         tokens_BS: torch.Tensor,
@@ -186,11 +202,17 @@ class GPTModel(nn.Module):
         else:
             x_BSH = hidden_BSH
         output = GPTOutput(router_loss=torch.zeros((), device=x_BSH.device), routing={})
+        dropping = (
+            self.random_ltd.kept_positions(x_BSH.shape[0], position_ids_BS.shape[1], self.stage.layers, x_BSH.device)
+            if self.random_ltd is not None and self.training and kv_cache is None
+            else {}
+        )
         for local_index, (index, layer) in enumerate(zip(self.stage.layers, self.layers)):
-            if self.config.checkpoint_activations and self.training and kv_cache is None:
-                block = checkpoint(layer, x_BSH, position_ids_BS, use_reentrant=False)
+            run = self._layer_call(layer, None if kv_cache is None else kv_cache.layers[local_index])
+            if index in dropping:
+                block = through_kept_tokens(run, x_BSH, position_ids_BS, dropping[index], self.tp)
             else:
-                block = layer(x_BSH, position_ids_BS, None if kv_cache is None else kv_cache.layers[local_index])
+                block = run(x_BSH, position_ids_BS)
             x_BSH = block.hidden_BSH
             output.router_loss = output.router_loss + block.router_loss
             if block.routing is not None:

@@ -161,6 +161,12 @@ def gather_from_sequence_region(x_BsH: torch.Tensor, group: dist.ProcessGroup | 
     return _map(x_BsH, _gather, _reduce_scatter, SEQUENCE_DIM, group)
 
 
+def gather_whole_sequence(x_BsH: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence from every rank's [B, s, H] for work every rank repeats alike (random-LTD's
+    choice of tokens); the backward keeps this rank's s positions of the (whole) gradient."""
+    return _map(x_BsH, _gather, _split, SEQUENCE_DIM, group)
+
+
 def reduce_scatter_to_sequence_region(x_BSH: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of the ranks' partial [B, S, H], of which this rank keeps its s positions; the backward gathers."""
     return _map(x_BSH, _reduce_scatter, _gather, SEQUENCE_DIM, group)

@@ -47,6 +47,7 @@ from megatron.training.exit_conditions import ExitConditions
 from megatron.training.log import IntervalStats, LogWindow, TrainingLogger
 from megatron.training.losses import Losses
 from megatron.training.moe_monitor import MoEMonitor
+from megatron.training.random_ltd_schedule import random_ltd_for
 from megatron.training.step import ForwardStep, GPTBatch, StageForward, forward_step, gpt_batch
 from megatron.training.upcycling import upcycle_from_checkpoint
 
@@ -128,6 +129,9 @@ class Trainer:
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor()
         self.curriculum = sequence_curriculum(runtime.curriculum_learning, config)
+        self.random_ltd = random_ltd_for(runtime.data_efficiency, config)
+        if self.random_ltd is not None:
+            model.random_ltd = self.random_ltd.layers
         lg = config.logging
         self.timers = (
             Timers(lg.timing_log_level, lg.timing_log_option, grid.device) if lg.timing_log_level > 0 else None
@@ -351,6 +355,8 @@ class Trainer:
         """One global batch: every micro-batch forward + backward, then the engine's step.
         Returns the mean loss terms of its micro-batches."""
         self.engine.module.train()
+        if self.random_ltd is not None:
+            self.random_ltd.begin_iteration(self.iteration + 1)
         if self.grid.pp_size > 1:
             return self._pipeline_train_step(data_iter)
         total = Losses.zeros(self.grid.device)

@@ -25,6 +25,7 @@ class Hint:
 
     path: Path
     why: str
+    applies: Callable[[Any], bool] = lambda value: True  # the value given decides for some keys
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ def _data_efficiency_feature(block: Any) -> bool:
             for key, inner in block.items()
         )
     return False
+
+
+def no_data_efficiency_feature(block: Any) -> bool:
+    """Neither random-LTD nor curriculum sampling is on in a typed data_efficiency block."""
+    return block.random_ltd is None and not _data_efficiency_feature(block.data_sampling)
 
 
 def _is_true(value: Any) -> bool:
@@ -96,7 +102,7 @@ def _autotp(block: Any) -> bool:
 
 HINTS: tuple[Hint, ...] = (
     Hint(("zero_allow_untested_optimizer",), "ZeRO here partitions the state of any torch optimizer"),
-    Hint(("data_efficiency",), "curriculum learning and random-LTD are both off in it"),
+    Hint(("data_efficiency",), "curriculum learning and random-LTD are both off in it", no_data_efficiency_feature),
     Hint(("zero_force_ds_cpu_optimizer",), "CPU offload always steps the toolkit's native CPU Adam"),
     Hint(
         ("disable_allgather",),
@@ -201,7 +207,7 @@ UNBUILT: tuple[Unbuilt, ...] = (
         _enabled,
         "use the fp16 or bf16 block, which runs the forward under autocast",
     ),
-    Unbuilt(("data_efficiency",), "data efficiency's curriculum sampling or random-LTD", _data_efficiency_feature),
+    Unbuilt(("data_efficiency", "data_sampling"), "data efficiency's curriculum sampling", _data_efficiency_feature),
     Unbuilt(("compression_training",), "the compression library", _any_enabled),
     Unbuilt(("sparse_attention",), "sparse attention", _given),
     Unbuilt(("weight_quantization",), "weight quantization", _given),
@@ -250,7 +256,7 @@ def no_effect_notes(config: BaseModel) -> list[str]:
     return [
         f" > ds_config {'.'.join(hint.path)}: accepted, no effect here ({hint.why})"
         for hint in HINTS
-        if _value_at(config, hint.path)[0]
+        if (given := _value_at(config, hint.path))[0] and hint.applies(given[1])
     ]
 
 
@@ -298,7 +304,6 @@ class TopLevelKeys(Section):
     comet: Block | None = None
     hybrid_engine: Block | None = None
     torch_autocast: Block | None = None
-    data_efficiency: Block | None = None
     compression_training: Block | None = None
     elasticity: Block | None = None
     nebula: Block | None = None

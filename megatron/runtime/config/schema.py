@@ -18,6 +18,7 @@ from megatron.comm.comms_log import check_op_names
 from megatron.errors import ConfigError
 from megatron.runtime.config.combinations import refuse_contradictions
 from megatron.runtime.config.config_file import read_config_source
+from megatron.runtime.config.data_efficiency import DataEfficiencyConfig
 from megatron.runtime.config.deepspeed_keys import (
     ActivationCheckpointingConfig,
     AioKeys,
@@ -412,6 +413,7 @@ class RuntimeConfig(TopLevelKeys):
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
     autotuning: AutotuningConfig = AutotuningConfig()
     curriculum_learning: CurriculumLearningConfig = CurriculumLearningConfig()
+    data_efficiency: DataEfficiencyConfig = DataEfficiencyConfig()
 
     @property
     def precision(self) -> str:
