@@ -513,7 +513,11 @@ def explain(error: ValidationError, source: str, config: dict[str, Any]) -> Conf
     """One sentence about the first problem in `config`, with the nearest key for a typo (unknown
     keys come first: a misspelled required key is also reported missing) and the value to write
     for a number or boolean written as a string."""
-    first = sorted(error.errors(), key=lambda problem: problem["type"] != "extra_forbidden")[0]
+    # an unknown key first, then a bad value, then a missing key (a key given alone in a block with
+    # required siblings is named for its own value)
+    first = sorted(
+        error.errors(), key=lambda problem: (problem["type"] != "extra_forbidden", problem["type"] == "missing")
+    )[0]
     loc = first["loc"]
     where = ".".join(str(part) for part in loc)
     if first["type"] == "extra_forbidden":
