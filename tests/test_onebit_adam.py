@@ -6,18 +6,23 @@ while compressing is exact (error feedback included) and re-splits the errors at
 data-parallel size; bf16/fp16, overflow skips and gradient accumulation work under it; and the
 combinations DeepSpeed refuses are refused here with one sentence."""
 
+import json
+
 import pytest
 import torch
 
+from megatron.config.flags import parse_args
 from megatron.errors import ConfigError
 from megatron.parallel import build_parallel_grid
 from megatron.runtime import initialize, load_runtime_config
 from megatron.runtime.engine import Engine
 from megatron.runtime.optim.compressed import CompressedOptimizer
 from megatron.runtime.optim.onebit_adam import OneBitAdam
+from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
 from tests.onebit_reference import ReferenceAveraging
 from tests.test_zero import Net
+from tests.training_fixtures import tiny_flags, with_data_parallel_size, write_corpus
 
 LR, BETAS, EPS, WD, FREEZE, STEPS, RANKS = 0.01, (0.9, 0.99), 1e-8, 0.01, 2, 6, 2
 
@@ -99,7 +104,7 @@ def test_two_ranks_equal_the_algorithm_simulated_in_one_process():
     expected = simulated()
     for rank in run_distributed(_trained, RANKS):
         for name, value in expected.items():
-            torch.testing.assert_close(rank[name], value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(rank[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_the_warm_up_is_deepspeeds_adam_without_bias_correction():
@@ -266,7 +271,7 @@ def test_gradient_accumulation_equals_one_micro_batch_of_the_same_rows():
     whole, accumulated = run_distributed(_accumulated, RANKS, 1), run_distributed(_accumulated, RANKS, 2)
     for one, two in zip(whole, accumulated):
         for name, value in one.items():
-            torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(two[name], value, rtol=1e-5, atol=1e-6)
 
 
 def _expert_parallel_first_compressed_step() -> dict[str, torch.Tensor]:
@@ -315,4 +320,31 @@ def test_under_expert_parallelism_experts_average_over_their_replicas_and_dense_
         names = [n.removeprefix("expected/") for n in rank if n.startswith("expected/")]
         assert {int(rank[f"replicas/{n}"]) for n in names} == {2, 4}  # experts' groups and the dense one
         for name in names:
-            torch.testing.assert_close(rank[f"sent_mean/{name}"], rank[f"expected/{name}"], msg=name)
+            torch.testing.assert_close(rank[f"sent_mean/{name}"], rank[f"expected/{name}"])
+
+
+def _trainer_replicas(corpus: str, ds_config: str) -> dict[str, torch.Tensor]:
+    flags = tiny_flags(corpus, train_iters=5, eval_interval=100, hidden_dropout=0.0, attention_dropout=0.0)
+    config = with_data_parallel_size(parse_args(flags + ["--deepspeed", "--deepspeed_config", ds_config]), RANKS)
+    trainer = Trainer(config, build_parallel_grid(torch.device("cpu")))
+    trainer.train()
+    return parameters(trainer.engine, "p")
+
+
+ZERO_ONE_PARTS = pytest.mark.xfail(
+    strict=True,
+    reason="open (issue 31): under the Trainer 0/1 Adam's replicas part by up to 2**-16 after a few local steps "
+    "synchronised every step, more than the round-off of undoing them; the engine-level tests agree with the "
+    "simulation",
+)
+
+
+@pytest.mark.parametrize("kind", ["OneBitAdam", pytest.param("ZeroOneAdam", marks=ZERO_ONE_PARTS), "OneBitLamb"])
+def test_a_training_run_keeps_the_replicas_equal(tmp_path, kind):
+    """The trainer hands its optimizer the grid: without it each rank would step alone."""
+    params = {"OneBitAdam": {"freeze_step": 2}, "ZeroOneAdam": {"var_freeze_step": 2}, "OneBitLamb": {"freeze_step": 2}}
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"optimizer": {"type": kind, "params": {"lr": 3e-3, **params[kind]}}}))
+    first, second = run_distributed(_trainer_replicas, RANKS, write_corpus(tmp_path), str(ds_config))
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name

@@ -156,7 +156,7 @@ class Trainer:
         self._refuse_overwriting_checkpoints()
         # teacher checks and the student's init from the teacher come before the engine copies the weights
         self.teacher, self.distilling = self._setup_teacher(model, self.resume_from is None)
-        optimizer = build_optimizer(model, runtime, rank=grid.rank)
+        optimizer = build_optimizer(model, runtime, rank=grid.rank, grid=grid)
         scheduler = (
             None
             if runtime.scheduler is not None
