@@ -61,9 +61,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Whether the engine all-reduces this step's gradients as usual (else each rank's own go in)."""
         raise NotImplementedError
 
+    def first_state(self) -> dict[str, torch.Tensor] | None:
+        """The first parameter's state (its counters are every parameter's), None before any step."""
+        return next((self.state[p] for group in self.param_groups for p in group["params"] if p in self.state), None)
+
     @property
     def steps_taken(self) -> int:
-        first = next((self.state[p] for group in self.param_groups for p in group["params"] if p in self.state), None)
+        first = self.first_state()
         return 0 if first is None else int(first["step"])
 
     def replica_group(self, param: torch.Tensor) -> dist.ProcessGroup | None:

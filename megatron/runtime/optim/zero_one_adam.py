@@ -58,7 +58,7 @@ class ZeroOneAdam(CompressedOptimizer):
         return state
 
     def _counter(self, key: str, default: int) -> int:
-        first = next((self.state[p] for group in self.param_groups for p in group["params"] if p in self.state), None)
+        first = self.first_state()
         return default if first is None or key not in first else int(first[key])
 
     @property
