@@ -2,10 +2,15 @@
 simulated replicas in one process (variance steps on all-reduced gradients at doubling intervals,
 compressed gradients between them, then local steps with compressed synchronisations at doubling
 intervals); a resume between two synchronisations is bit-exact, and at another data-parallel size
-each rank takes the saved replicas' mean parameters, momenta and summed updates."""
+each rank takes the saved replicas' mean parameters and momenta; an older checkpoint that kept
+summed updates instead of the shared point resumes where they were zero and is refused elsewhere."""
 
+import copy
+
+import pytest
 import torch
 
+from megatron.errors import CheckpointError
 from megatron.parallel import build_parallel_grid
 from megatron.runtime import initialize
 from megatron.runtime.optim.zero_one_adam import ZeroOneAdam
@@ -146,3 +151,40 @@ def test_at_another_data_parallel_size_each_rank_takes_the_replicas_mean(tmp_pat
         mean = torch.stack([rank[name] for rank in four]).mean(0)
         for rank in two:
             torch.testing.assert_close(rank[name], mean, rtol=0, atol=0)
+
+
+def _renamed_to_the_old_accumulator(optimizer: ZeroOneAdam) -> dict:
+    """`optimizer`'s state dict as 54b3a75 wrote it: a summed-update buffer where the anchor is now."""
+    saved = copy.deepcopy(optimizer.state_dict())
+    for state in saved["state"].values():
+        state["momentum_accumulator"] = torch.zeros_like(state.pop("anchor"))
+    return saved
+
+
+def test_an_older_checkpoint_resumes_at_a_synchronisation_and_is_refused_between_two():
+    torch.manual_seed(0)
+    param, grads = torch.nn.Parameter(torch.randn(8)), torch.randn(6, 8)
+    optimizer = ZeroOneAdam([param], var_freeze_step=1, local_step_scaler=1, local_step_clipper=2, lr=0.1)
+
+    def step(number: int) -> None:
+        param.grad = grads[number - 1].clone()
+        optimizer.step()
+
+    # step 3 is the first local step, synchronised; from then on every even step synchronises
+    for number in (1, 2, 3, 4):
+        step(number)
+    at_synchronisation, weights = _renamed_to_the_old_accumulator(optimizer), param.detach().clone()
+    step(5)
+    between = _renamed_to_the_old_accumulator(optimizer)
+    step(6)
+    expected = param.detach().clone()
+
+    param.data.copy_(weights)
+    optimizer.load_state_dict(at_synchronisation)
+    step(5)
+    step(6)
+    assert torch.equal(param.detach(), expected)
+
+    optimizer.load_state_dict(between)
+    with pytest.raises(CheckpointError, match="saved between two synchronisations by an older version"):
+        step(6)

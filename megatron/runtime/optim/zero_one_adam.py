@@ -8,12 +8,17 @@ they do exchange.
   1-bit compressed all-reduce and only the momentum moves.
 - After it (the variance frozen, the error buffers restarted): each rank steps alone on its own
   gradients and sums its updates; every `local_step_interval` steps (1, doubling after every
-  `local_step_scaler` local steps, at most `local_step_clipper`) the replicas undo their local
-  steps, average the summed updates (scaled back to momentum units by sqrt(v) + eps) by the
-  compressed all-reduce, apply that mean and take the momentum from it.
+  `local_step_scaler` local steps, at most `local_step_clipper`) the replicas average their summed
+  updates (scaled back to momentum units by sqrt(v) + eps) by the compressed all-reduce, apply that
+  mean to the point they last shared and take the momentum from it.
 
-Between synchronisations the replicas' parameters, momenta and summed updates differ, so those go
-into each rank's own checkpoint file with the errors (replica_local). The update is DeepSpeed's:
+DeepSpeed sums the local updates and subtracts the sum to undo them; that is exact only to the
+round-off of the largest update, which for parameters whose variance is near zero (a key bias,
+whose gradient is round-off) parted the replicas by 2**-16. Here each rank keeps the shared point
+itself (`anchor`, the same size as DeepSpeed's accumulator) and the summed update is the distance
+from it, so every replica lands on the same bits. Between synchronisations the replicas'
+parameters and momenta differ, so those go into each rank's own checkpoint file with the errors
+(replica_local). The update is DeepSpeed's:
 m / (sqrt(v) + eps) + weight_decay x p, times lr, without bias correction. Unlike DeepSpeed's,
 the first step updates the parameters (DeepSpeed's first call only sets up its buffers)."""
 
@@ -22,6 +27,7 @@ from typing import Any, Unpack
 
 import torch
 
+from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
 from megatron.runtime.optim.adam_state import adam_state
 from megatron.runtime.optim.compressed import AdamParams, CompressedOptimizer
@@ -50,11 +56,18 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         state = adam_state(self, param)
-        if "momentum_accumulator" not in state:
+        if "momentum_accumulator" in state:  # 54b3a75's checkpoints kept each rank's summed updates
+            if float(state["lrs"]) > 0:
+                raise CheckpointError(
+                    "this 0/1 Adam checkpoint was saved between two synchronisations by an older version, which "
+                    "kept no shared point to resume from; resume from one saved at a synchronisation step"
+                )
+            state["anchor"] = state.pop("momentum_accumulator")
+        if "anchor" not in state:
             state.update({key: torch.zeros(()) for key in _COUNTERS})
             state["var_interval"].fill_(1)
             state["local_step_interval"].fill_(1)
-            state["momentum_accumulator"] = torch.zeros_like(param)
+            state["anchor"] = torch.zeros_like(param)
         return state
 
     def _counter(self, key: str, default: int) -> int:
@@ -90,6 +103,8 @@ class ZeroOneAdam(CompressedOptimizer):
         step, grad = int(state["step"]), param.grad
         variance_step = not frozen and step % int(state["var_interval"]) == 0
         if frozen:
+            if float(state["lrs"]) == 0:  # an interval begins where the replicas are equal
+                state["anchor"].copy_(param)
             exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
             state["lrs"] += lr
         elif variance_step:  # the engine all-reduced this step's gradients
@@ -103,7 +118,7 @@ class ZeroOneAdam(CompressedOptimizer):
             update.add_(param, alpha=group["weight_decay"])
         param.add_(update, alpha=-lr)
         if frozen:
-            self._local_step(param, state, update, lr, eps, step)
+            self._local_step(param, state, eps, step)
         elif variance_step:
             state["var_counter"] += 1
             if int(state["var_counter"]) == self.var_update_scaler:
@@ -114,23 +129,16 @@ class ZeroOneAdam(CompressedOptimizer):
         self,
         param: torch.Tensor,
         state: dict[str, torch.Tensor],
-        update: torch.Tensor,
-        lr: float,
         eps: float,
         step: int,
     ) -> None:
-        """Sum the local update; at an interval's end replace the replicas' local steps by their
-        compressed mean."""
-        summed = state["momentum_accumulator"]
-        summed.add_(update, alpha=-lr)
+        """At an interval's end replace the replicas' local steps by their compressed mean."""
         if step % int(state["local_step_interval"]) == 0:
-            denominator = state["exp_avg_sq"].sqrt() + eps
-            param.sub_(summed)  # back to the point the replicas last shared
-            summed.mul_(denominator)
-            summed.copy_(self.compressed_mean(param, summed.reshape(-1)).view_as(param))
-            state["exp_avg"].copy_(summed / -state["lrs"])
-            param.add_(summed / denominator)
-            summed.zero_()
+            anchor, denominator = state["anchor"], state["exp_avg_sq"].sqrt() + eps
+            summed = (param - anchor).mul_(denominator)
+            mean = self.compressed_mean(param, summed.reshape(-1)).view_as(param)
+            state["exp_avg"].copy_(mean / -state["lrs"])
+            param.copy_(anchor + mean / denominator)
             state["lrs"].zero_()
         state["local_step_counter"] += 1
         if int(state["local_step_counter"]) == self.local_step_scaler:
@@ -143,11 +151,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if not self.frozen:
             return {}
         return {
-            param: {
-                "param": param.data,
-                "exp_avg": state["exp_avg"],
-                "momentum_accumulator": state["momentum_accumulator"],
-            }
+            param: {"param": param.data, "exp_avg": state["exp_avg"]}
             for param, state in self.state.items()
-            if "momentum_accumulator" in state
+            if "anchor" in state
         }
