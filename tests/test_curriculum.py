@@ -16,7 +16,7 @@ from megatron.config.flags import parse_args
 from megatron.errors import ConfigError
 from megatron.parallel import single_process_grid
 from megatron.runtime.config.schema import CurriculumLearningConfig, load_runtime_config
-from megatron.training.curriculum import SequenceCurriculum
+from megatron.training.curriculum import CurriculumSchedule
 from megatron.training.loop import Trainer
 from megatron.training.step import forward_step
 from tests.training_fixtures import tiny_flags, write_corpus
@@ -58,8 +58,8 @@ SCHEDULES = {
 def test_each_schedules_lengths_are_deepspeeds(kind):
     block = {"enabled": True, "min_difficulty": 8, "max_difficulty": 64, "schedule_type": kind}
     block["schedule_config"] = SCHEDULES[kind]
-    curriculum = SequenceCurriculum(CurriculumLearningConfig(**block))
-    got = [curriculum.seq_length(step) for step in range(1, 31)]
+    curriculum = CurriculumSchedule(CurriculumLearningConfig(**block))
+    got = [curriculum.difficulty(step) for step in range(1, 31)]
     assert got == deepspeed_lengths(block, 30)
     # a few written out: linear 8 + 56 i / 10 less its remainder by 8; root with sqrt(i / 10)
     expected = {"fixed_linear": [8, 24, 24, 64], "fixed_root": [24, 32, 40, 64], "fixed_discrete": [16, 16, 32, 64]}
@@ -69,8 +69,8 @@ def test_each_schedules_lengths_are_deepspeeds(kind):
 def test_a_discrete_list_that_reaches_the_maximum_holds_it_as_deepspeed_does():
     block = {"enabled": True, "min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_discrete"}
     block["schedule_config"] = {"difficulty": [8, 64, 16], "max_step": [2, 4]}
-    curriculum = SequenceCurriculum(CurriculumLearningConfig(**block))
-    assert [curriculum.seq_length(step) for step in range(1, 9)] == deepspeed_lengths(block, 8) == [8, 8] + [64] * 6
+    curriculum = CurriculumSchedule(CurriculumLearningConfig(**block))
+    assert [curriculum.difficulty(step) for step in range(1, 9)] == deepspeed_lengths(block, 8) == [8, 8] + [64] * 6
 
 
 @pytest.mark.parametrize(

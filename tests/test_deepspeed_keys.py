@@ -175,10 +175,46 @@ CONFIGS = [
         ["data_efficiency"],
     ),
     (
-        "curriculum sampling on",
+        "curriculum sampling on without metrics",
         '{"train_batch_size": 4, "data_efficiency": {"enabled": true,'
         ' "data_sampling": {"enabled": true, "curriculum_learning": {"enabled": true}}}}',
-        "data_efficiency.data_sampling in .* turns on data efficiency's curriculum sampling, which this toolkit",
+        "curriculum_learning needs curriculum_metrics when enabled; name at least one metric",
+        [],
+    ),
+    (
+        "a schedule-based curriculum metric without its index",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": true, "data_sampling": {"enabled": true,'
+        ' "curriculum_learning": {"enabled": true, "curriculum_metrics": {"vocabularyrarity": {'
+        '"difficulty_type": "value", "clustering_type": "schedule_based", "min_difficulty": 1,'
+        ' "max_difficulty": 100, "schedule_type": "fixed_linear",'
+        ' "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 1}}}}}}}',
+        "curriculum metric vocabularyrarity is schedule_based by value and needs index_to_sample_path",
+        [],
+    ),
+    (
+        "DeepSpeed's loader workers",
+        '{"train_batch_size": 4, "data_efficiency": {"data_sampling": {"num_workers": 2}}}',
+        "num_workers 2: the data loader's workers are --num-workers here; set it 0 or drop it",
+        [],
+    ),
+    (
+        "seqlen_reshape",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": true, "data_sampling": {"enabled": true,'
+        ' "curriculum_learning": {"enabled": true, "curriculum_metrics": {"seqlen_reshape": {'
+        '"difficulty_type": "value", "clustering_type": "single_cluster", "min_difficulty": 8,'
+        ' "max_difficulty": 64, "schedule_type": "fixed_linear",'
+        ' "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}}}}}}',
+        "curriculum metric seqlen_reshape .* is not built; use seqlen_truncate",
+        [],
+    ),
+    (
+        "curriculum sampling on under an umbrella turned off",
+        '{"train_batch_size": 4, "data_efficiency": {"enabled": true, "data_sampling": {"enabled": false,'
+        ' "curriculum_learning": {"enabled": true, "curriculum_metrics": {"seqlen_truncate": {'
+        '"difficulty_type": "value", "clustering_type": "single_cluster", "min_difficulty": 8,'
+        ' "max_difficulty": 64, "schedule_type": "fixed_linear",'
+        ' "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}}}}}}',
+        "curriculum_learning.enabled is true under a data_efficiency or data_sampling block with enabled false",
         [],
     ),
     (

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron.cli import (
+    analyze_data,
     autotune,
     convert_checkpoint,
     ds_io,
@@ -65,9 +66,14 @@ def lr_range_test_options() -> set[str]:
     return options(pretrain_parser()) | options(lr_range_test.build_range_test_parser())
 
 
+def analyze_data_options() -> set[str]:
+    return options(pretrain_parser()) | options(analyze_data.build_parser())
+
+
 def known_options() -> dict[str, set[str]]:
     known = {script: options(build()) for script, build in PARSERS.items()}
     known["tools/lr_range_test.py"] = lr_range_test_options()
+    known["tools/analyze_data.py"] = analyze_data_options()
     return known
 
 

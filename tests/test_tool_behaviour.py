@@ -25,6 +25,7 @@ SWEEP = {
     "overlap_events": [False],
 }
 MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16"
+RUN = f"{MODEL} --micro-batch-size 2 --global-batch-size 4 --train-iters 10 --lr 1e-3 --tokenizer-type NullTokenizer"
 SIZED = r"[\d,]+ \([\d.]+[KMB]\)"  # 1,234,567 (1.23M)
 
 # (tool, arguments, stdout pattern searched for, the progress bar's label on stderr or "" for an
@@ -55,6 +56,12 @@ SUCCESSES = [
         r"\A\S+ \| tokens: 39 \| lm loss: [\d.]+ \| perplexity: [\d.]+\n\Z",
         "perplexity: ",
     ),
+    (
+        "tools/analyze_data.py",
+        f"{RUN} --vocab-size 61 --data-path {{corpus}} --save {{tmp}}/analysis",
+        r"\A > vocab_rarity of \d+ training samples: min \d+, max \d+, mean [\d.]+; index in \S+/vocab_rarity\n\Z",
+        "analysis: ",
+    ),
 ]
 
 # (tool, arguments, what the one sentence on stderr names)
@@ -74,6 +81,7 @@ FAILURES = [
     ("tools/model_size.py", f"{MODEL} --vocab-size 100 --padded-vocab-size 128", r"both given"),
     ("tools/evaluate_ppl.py", "--load {tmp}/missing --jsonl {tmp}/text.jsonl", r"\S+/missing/\S+ is missing"),
     ("tools/evaluate_ppl.py", "--load {tmp} --jsonl {tmp}/text.jsonl --batch-size 0", r"--batch-size"),
+    ("tools/analyze_data.py", f"{RUN} --vocab-size 61 --data-path {{corpus}}", r"writes its index under --save"),
 ]
 
 
@@ -98,6 +106,8 @@ def _run(tool: str, arguments: str, tmp_path: Path, request: pytest.FixtureReque
     paths = {"tmp": str(tmp_path), "sweep": str(sweep)}
     if "{checkpoint}" in arguments:
         paths |= request.getfixturevalue("checkpoint")
+    elif "{corpus}" in arguments:
+        paths["corpus"] = write_corpus(tmp_path)
     # PYTHONPATH: this checkout's code, wherever the editable install points
     return subprocess.run(
         command + arguments.format(**paths).split(),

@@ -88,6 +88,8 @@ class TrainingConfig:
     deepspeed_config: str | None  # the --deepspeed_config file, named in messages
     curriculum_learning_legacy: bool = False  # Megatron-DeepSpeed's flag for the ds_config curriculum_learning block
     random_ltd: bool = False  # Megatron-DeepSpeed's flag for the ds_config data_routing.random_ltd block
+    # Megatron-DeepSpeed's flag for the ds_config data_sampling.curriculum_learning block
+    data_efficiency_curriculum_learning: bool = False
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -518,6 +520,12 @@ def build_parser(sizing: bool = False) -> FlagParser:
         "(Megatron-DeepSpeed's flag; the block turns it on)",
     )
     g.add_argument(
+        "--data-efficiency-curriculum-learning",
+        action="store_true",
+        help="curriculum sampling from the ds_config data_efficiency.data_sampling.curriculum_learning block, with "
+        "indexes from tools/analyze_data.py (Megatron-DeepSpeed's flag; the block turns it on)",
+    )
+    g.add_argument(
         "--zero-stage",
         type=int,
         choices=[0, 1, 2, 3],
@@ -810,6 +818,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         deepspeed_config=args.deepspeed_config,
         curriculum_learning_legacy=args.curriculum_learning_legacy,
         random_ltd=args.random_ltd,
+        data_efficiency_curriculum_learning=args.data_efficiency_curriculum_learning,
     )
     _check_lr_spans(training)
     logging = LoggingConfig(

@@ -161,12 +161,18 @@ class PretrainingLoader(torch.utils.data.DataLoader):
 def build_pretraining_loader(
     dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0
 ) -> PretrainingLoader:
-    """DataLoader giving {"text": LongTensor [micro_batch_size, seq_length + 1]} for this DP rank.
-    Its workers drop the signals this process handles when the loader is built (`handled_signals`)."""
+    """DataLoader giving {"text": LongTensor [micro_batch_size, seq_length + 1]} for this DP rank."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    return sampled_loader(dataset, sampler, num_workers)
+
+
+def sampled_loader(dataset, batch_sampler: torch.utils.data.Sampler, num_workers: int = 0) -> PretrainingLoader:
+    """DataLoader giving {"text": LongTensor [len(indices), seq_length + 1]} for each list of sample
+    indices `batch_sampler` yields. Its workers drop the signals this process handles when the loader
+    is built (`handled_signals`)."""
     return PretrainingLoader(
         dataset,
-        batch_sampler=sampler,
+        batch_sampler=batch_sampler,
         num_workers=num_workers,
         collate_fn=collate_text,
         pin_memory=torch.cuda.is_available(),

@@ -24,10 +24,9 @@ from megatron.checkpoint.layout import LATEST_FILE
 from megatron.checkpoint.manifest import RunRecord
 from megatron.checkpoint.save_lock import hold_save_lock
 from megatron.config.flags import PretrainConfig
-from megatron.data.gpt_dataset import build_train_valid_test_datasets
-from megatron.data.loader import build_pretraining_loader
-from megatron.data.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
-from megatron.errors import CheckpointError, ConfigError, DataError, TrainingStopped
+from megatron.data.loader import build_pretraining_loader, sampled_loader
+from megatron.data.tokenizer import Tokenizer, padded_vocab_size, tokenizer_of
+from megatron.errors import CheckpointError, ConfigError, TrainingStopped
 from megatron.model import GPTModel
 from megatron.model.moe.expert_bias import update_expert_biases
 from megatron.model.pipeline_stage import pipeline_stage
@@ -41,13 +40,14 @@ from megatron.runtime.optimizer_factory import build_optimizer
 from megatron.runtime.pipeline_schedule import StageLinks, forward_only, one_forward_one_backward
 from megatron.timers import Timers, timed, untimed
 from megatron.tokenizer_spec import tokenizer_spec_of
-from megatron.training.curriculum import sequence_curriculum
+from megatron.training.curriculum import curriculum_sampling_for, sequence_curriculum
 from megatron.training.distill import init_student_from_teacher, load_teacher, teacher_checkpoint
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.log import IntervalStats, LogWindow, TrainingLogger
 from megatron.training.losses import Losses
 from megatron.training.moe_monitor import MoEMonitor
 from megatron.training.random_ltd_schedule import random_ltd_for
+from megatron.training.run_datasets import run_datasets
 from megatron.training.step import ForwardStep, GPTBatch, StageForward, forward_step, gpt_batch
 from megatron.training.upcycling import upcycle_from_checkpoint
 
@@ -109,14 +109,7 @@ class Trainer:
         self.log.info(run_summary(runtime, grid))
         set_seed(config.training.seed)
         data = config.data
-        self.tokenizer: Tokenizer = build_tokenizer(
-            data.tokenizer_type,
-            tokenizer_model=data.tokenizer_model,
-            vocab_file=data.vocab_file,
-            merge_file=data.merge_file,
-            vocab_size=data.vocab_size,
-            null_tokenizer_eod=data.null_tokenizer_eod,
-        )
+        self.tokenizer: Tokenizer = tokenizer_of(tokenizer_spec_of(data))
         # data first: a bad prefix or corrupt index stops the run before the model is built
         self.train_data, self.valid_data, self.test_data = self._build_datasets()
         # as Megatron pads it: every tensor-parallel rank gets an equal share of whole multiples
@@ -128,7 +121,8 @@ class Trainer:
         )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor()
-        self.curriculum = sequence_curriculum(runtime.curriculum_learning, config)
+        self.curriculum = sequence_curriculum(runtime.curriculum_learning, runtime.data_efficiency, config)
+        self.curriculum_sampling = curriculum_sampling_for(runtime.data_efficiency, config)
         self.random_ltd = random_ltd_for(runtime.data_efficiency, config)
         if self.random_ltd is not None:
             model.random_ltd = self.random_ltd.layers
@@ -287,30 +281,11 @@ class Trainer:
 
     def _build_datasets(self) -> tuple[Any, Any, Any]:
         """The first rank builds (and caches) the index arrays; the others then load them."""
-        t, d = self.config.training, self.config.data
-        eval_samples = self.config.logging.eval_iters * t.global_batch_size
-        args = (
-            list(d.data_path) if d.data_path else None,
-            d.split,
-            (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
-            t.seq_length,
-            t.seed,
-        )
-        paths = {
-            "train_data_prefix": list(d.train_data_path) if d.train_data_path else None,
-            "valid_data_prefix": list(d.valid_data_path) if d.valid_data_path else None,
-            "test_data_prefix": list(d.test_data_path) if d.test_data_path else None,
-            "vocab_size": self.tokenizer.vocab_size,  # every sample's ids are checked as it is read
-            "split_rounding": d.split_rounding,
-            "verify_checksum": d.data_checksum,
-        }
         if self.grid.is_first_rank:
-            datasets = build_train_valid_test_datasets(*args, **paths)
+            datasets = run_datasets(self.config, self.tokenizer.vocab_size)
         self.grid.barrier()
         if not self.grid.is_first_rank:
-            datasets = build_train_valid_test_datasets(*args, **paths)
-        if datasets[0] is None:
-            raise DataError("the training split is empty; give more data or a --split with a non-zero first part")
+            datasets = run_datasets(self.config, self.tokenizer.vocab_size)
         return datasets
 
     def loader(self, dataset: Any, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -324,9 +299,19 @@ class Trainer:
         )
         return iter(loader)
 
+    def train_loader(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The training batches from the next iteration on: in the curriculum's order under curriculum
+        sampling, else in order."""
+        if self.curriculum_sampling is None:
+            return self.loader(self.train_data, self.consumed_samples)
+        sampler = self.curriculum_sampling.sampler(
+            len(self.train_data), self.config, self.grid.dp_rank, self.grid.dp_size, self.iteration
+        )
+        return iter(sampled_loader(self.train_data, sampler, self.config.data.num_workers))
+
     def seq_length(self, iteration: int) -> int:
         """Training iteration `iteration`'s (from 1) sequence length: the curriculum's, else --seq-length."""
-        return self.config.training.seq_length if self.curriculum is None else self.curriculum.seq_length(iteration)
+        return self.config.training.seq_length if self.curriculum is None else self.curriculum.difficulty(iteration)
 
     def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]], seq_length: int | None = None) -> GPTBatch:
         """The next micro-batch, its sequences cut to `seq_length` when given."""
@@ -357,13 +342,13 @@ class Trainer:
         self.engine.module.train()
         if self.random_ltd is not None:
             self.random_ltd.begin_iteration(self.iteration + 1)
-        if self.grid.pp_size > 1:
-            return self._pipeline_train_step(data_iter)
-        total = Losses.zeros(self.grid.device)
-        micro_batches = self.engine.gradient_accumulation_steps
         seq_length = self.seq_length(self.iteration + 1)
         if isinstance(self.engine.lr_scheduler, AnnealingLR):  # Megatron's schedule counts the tokens trained
             self.engine.lr_scheduler.increment = self.config.training.global_batch_size * seq_length
+        if self.grid.pp_size > 1:
+            return self._pipeline_train_step(data_iter, seq_length)
+        total = Losses.zeros(self.grid.device)
+        micro_batches = self.engine.gradient_accumulation_steps
         with timed("forward-backward"):
             for index in range(micro_batches):
                 step, objective = self._train_forward(self._batch(data_iter, seq_length))
@@ -375,9 +360,9 @@ class Trainer:
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
 
-    def _stage_links(self) -> StageLinks:
+    def _stage_links(self, seq_length: int) -> StageLinks:
         t, grid = self.config.training, self.grid
-        positions = t.seq_length // grid.tp_size if t.sequence_parallel else t.seq_length
+        positions = seq_length // grid.tp_size if t.sequence_parallel else seq_length
         return StageLinks(
             grid.pp_prev_rank,
             grid.pp_next_rank,
@@ -386,12 +371,12 @@ class Trainer:
             grid.device,
         )
 
-    def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]]) -> Losses:
+    def _pipeline_train_step(self, data_iter: Iterator[dict[str, torch.Tensor]], seq_length: int) -> Losses:
         """The global batch's micro-batches in the 1F1B schedule; every stage reads the same ones
         (the first needs the tokens, the last the labels). The LM loss comes from the last stage;
         the router losses add up over the stages; with a teacher (the last stage's) its KD term too."""
         engine, grid = self.engine, self.grid
-        batches = [self._batch(data_iter) for _ in range(engine.gradient_accumulation_steps)]
+        batches = [self._batch(data_iter, seq_length) for _ in range(engine.gradient_accumulation_steps)]
         total = Losses.zeros(grid.device)
 
         def forward(index: int, hidden_BSH: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
@@ -408,7 +393,9 @@ class Trainer:
             return None if hidden_BSH is None else hidden_BSH.grad
 
         with timed("forward-backward"):
-            one_forward_one_backward(len(batches), grid.pp_rank, grid.pp_size, self._stage_links(), forward, backward)
+            one_forward_one_backward(
+                len(batches), grid.pp_rank, grid.pp_size, self._stage_links(seq_length), forward, backward
+            )
         engine.step()
         update_expert_biases(engine.module, grid.stage_group, step_taken=not engine.last_step_skipped)
         return total.summed_over(grid.pp_group) / len(batches)
@@ -434,7 +421,7 @@ class Trainer:
                 total += step.losses.lm
                 return step.hidden_BSH, None
 
-            forward_only(steps, self._stage_links(), forward)
+            forward_only(steps, self._stage_links(self.config.training.seq_length), forward)
             all_reduce(total, self.grid.pp_group)
         else:
             for index in range(steps):
@@ -516,7 +503,7 @@ class Trainer:
             )
         if cfg.logging.eval_at_start and self.iteration == 0:
             self._validate(result)
-        data_iter = self.loader(self.train_data, self.consumed_samples) if self.iteration < t.train_iters else None
+        data_iter = self.train_loader() if self.iteration < t.train_iters else None
         peak = peak_flops(self.grid.device, self.engine.autocast_dtype or torch.float32, cfg.logging.peak_tflops)
         self.log.info(f" > MFU in the log is against {peak.tflops:.3f} TFLOP/s per rank, from {peak.source}")
         window = self.window  # read back once per log interval: no per-step sync

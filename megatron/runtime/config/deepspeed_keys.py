@@ -49,21 +49,9 @@ def _any_enabled(block: Any) -> bool:
     return False
 
 
-def _data_efficiency_feature(block: Any) -> bool:
-    """Curriculum learning or random-LTD is on somewhere inside data_efficiency; its umbrella
-    `enabled` keys (data_efficiency, data_sampling, data_routing) turn nothing on by themselves, as
-    in DeepSpeed, whose baseline templates set them with both features off."""
-    if isinstance(block, dict):
-        return any(
-            _enabled(inner) if key in ("curriculum_learning", "random_ltd") else _data_efficiency_feature(inner)
-            for key, inner in block.items()
-        )
-    return False
-
-
 def no_data_efficiency_feature(block: Any) -> bool:
     """Neither random-LTD nor curriculum sampling is on in a typed data_efficiency block."""
-    return block.random_ltd is None and not _data_efficiency_feature(block.data_sampling)
+    return block.random_ltd is None and block.curriculum_sampling is None
 
 
 def _is_true(value: Any) -> bool:
@@ -207,7 +195,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
         _enabled,
         "use the fp16 or bf16 block, which runs the forward under autocast",
     ),
-    Unbuilt(("data_efficiency", "data_sampling"), "data efficiency's curriculum sampling", _data_efficiency_feature),
     Unbuilt(("compression_training",), "the compression library", _any_enabled),
     Unbuilt(("sparse_attention",), "sparse attention", _given),
     Unbuilt(("weight_quantization",), "weight quantization", _given),

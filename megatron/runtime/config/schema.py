@@ -18,6 +18,7 @@ from megatron.comm.comms_log import check_op_names
 from megatron.errors import ConfigError
 from megatron.runtime.config.combinations import refuse_contradictions
 from megatron.runtime.config.config_file import read_config_source
+from megatron.runtime.config.curriculum_schedule import DifficultySchedule
 from megatron.runtime.config.data_efficiency import DataEfficiencyConfig
 from megatron.runtime.config.deepspeed_keys import (
     ActivationCheckpointingConfig,
@@ -299,54 +300,16 @@ class CommsLoggerConfig(Section):
         check_op_names(self.prof_ops)
 
 
-class CurriculumScheduleConfig(Section):
-    total_curriculum_step: PositiveCount | None = None  # fixed_linear, fixed_root
-    difficulty_step: PositiveCount | None = None  # fixed_linear, fixed_root: a multiple of it
-    root_degree: PositiveCount | None = None  # fixed_root
-    difficulty: list[PositiveCount] | None = None  # fixed_discrete: one more than max_step
-    max_step: list[PositiveCount] | None = None  # fixed_discrete
-
-
-class CurriculumLearningConfig(Section):
+class CurriculumLearningConfig(DifficultySchedule):
     """DeepSpeed's legacy `curriculum_learning` block: the sequence length grows from
     min_difficulty to max_difficulty on the schedule (megatron/training/curriculum.py)."""
 
     enabled: bool = False
     curriculum_type: Literal["seqlen"] = "seqlen"
-    min_difficulty: PositiveCount = 8
-    max_difficulty: PositiveCount = 1024
-    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] = "fixed_linear"
-    schedule_config: CurriculumScheduleConfig = CurriculumScheduleConfig()
 
     def model_post_init(self, context: Any) -> None:
-        if not self.enabled:
-            return
-        s, kind = self.schedule_config, self.schedule_type
-        if kind == "custom":
-            raise ValueError(
-                "schedule_type custom needs a Python schedule function (DeepSpeed's "
-                "set_custom_curriculum_learning_schedule), which a config cannot give; use a fixed_* schedule"
-            )
-        needed = {
-            "fixed_linear": ("total_curriculum_step", "difficulty_step"),
-            "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
-            "fixed_discrete": ("difficulty", "max_step"),
-        }[kind]
-        missing = [key for key in needed if getattr(s, key) is None]
-        if missing:
-            raise ValueError(f"schedule_type {kind} needs schedule_config.{missing[0]}")
-        if self.min_difficulty > self.max_difficulty:
-            raise ValueError(f"min_difficulty {self.min_difficulty} is above max_difficulty {self.max_difficulty}")
-        if kind == "fixed_discrete" and len(s.difficulty) != len(s.max_step) + 1:
-            raise ValueError(
-                f"schedule_config.difficulty has {len(s.difficulty)} values and max_step {len(s.max_step)}; "
-                "give one difficulty more than max_steps (the last holds after the last max_step)"
-            )
-        if kind != "fixed_discrete" and self.min_difficulty % s.difficulty_step:
-            raise ValueError(
-                f"min_difficulty {self.min_difficulty} is not a multiple of schedule_config.difficulty_step "
-                f"{s.difficulty_step}, so the first sequences would be cut below it; make it one"
-            )
+        if self.enabled:
+            self.check_schedule("sequences")
 
 
 class AutotuningConfig(Section):
