@@ -147,6 +147,8 @@ def test_a_resumed_or_re_split_sampler_draws_what_the_uninterrupted_one_drew():
     ranks = [_micro_batches(CurriculumSampler([metric], 200, 5, 16, 4, rank, 2, 0), 20) for rank in range(2)]
     resumed = [_micro_batches(CurriculumSampler([metric], 200, 5, 16, 4, rank, 2, 6), 8) for rank in range(2)]
     assert resumed == [stream[12:] for stream in ranks]  # steps 7-10
+    again = CurriculumSampler([metric], 200, 5, 16, 4, 0, 2, 6)
+    assert _micro_batches(again, 8) == _micro_batches(again, 8) == resumed[0]  # a second iterator starts over
     one_rank = _micro_batches(CurriculumSampler([metric], 200, 5, 16, 8, 0, 1, 0), 20)
     for step in range(10):  # each micro-step's 8 samples: rank 0's 4 then rank 1's
         for micro in range(2):

@@ -187,6 +187,7 @@ class CurriculumSampler(torch.utils.data.Sampler):
         return batch
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.clusters, self.difficulties = [], {}  # each iterator replays from the first step
         for step in range(1, self.consumed_steps + 1):  # the clusters' positions where the run stopped
             self.global_batch(step, draw=False)
         step = self.consumed_steps
