@@ -2,6 +2,7 @@ import pytest
 
 from megatron.config.flags import parse_args, with_data_parallel_size
 from megatron.errors import ConfigError
+from megatron.training.run_length import run_length
 
 BASE = [
     "--num-layers",
@@ -29,6 +30,29 @@ def test_training_length_in_iterations_samples_or_tokens():
     assert parse("--train-iters 10 --global-batch-size 8").training.train_iters == 10
     assert parse("--train-samples 81 --global-batch-size 8").training.train_iters == 11
     assert parse("--train-tokens 1280 --global-batch-size 8").training.train_iters == 10
+
+
+@pytest.mark.parametrize(
+    "extra, iterations, decay_tokens",
+    [
+        ("--train-tokens 1290", 11, 11 * 128),  # a partial last iteration counts, and the decay covers it
+        ("--train-tokens 1280 --train-iters 6", 6, 6 * 128),  # Megatron-DeepSpeed: whichever stop comes first
+        ("--train-tokens 640 --train-samples 200", 5, 5 * 128),
+        ("--train-tokens 1280 --train-iters 6 --lr-decay-iters 4", 6, 4 * 128),
+    ],
+)
+def test_train_tokens_is_a_stop_beside_iterations_or_samples(extra, iterations, decay_tokens):
+    length = run_length(parse(extra + " --global-batch-size 8"))
+    assert (length.train_iters, length.lr_decay_tokens) == (iterations, decay_tokens)
+
+
+def test_a_training_length_is_required_and_iterations_and_samples_exclude_each_other():
+    with pytest.raises(
+        ConfigError, match="give the training length with one of --train-iters, --train-samples, --train-tokens"
+    ):
+        parse("")
+    with pytest.raises(ConfigError, match="--train-iters and --train-samples were both given"):
+        parse("--train-iters 4 --train-samples 8")
 
 
 def test_lr_schedule_lengths_convert_to_tokens():

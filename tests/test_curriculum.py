@@ -147,6 +147,23 @@ def test_a_run_trains_on_the_schedules_lengths_counts_their_tokens_and_resumes_e
         assert torch.equal(a, b)
 
 
+def test_train_tokens_counts_the_cut_sequences_and_the_lr_decays_over_them(tmp_path):
+    """Megatron-DeepSpeed stops once the tokens trained reach --train-tokens: under a curriculum that
+    is more iterations than whole sequences would need, known before the run from the schedule."""
+    corpus = write_corpus(tmp_path)
+    schedule = [min(16, math.floor(i / 6 * 12 + 4) // 4 * 4) for i in range(1, 30)]
+    budget = 4 * sum(schedule[:8]) - 1  # reached within iteration 8
+    trainer = Trainer(_config(tmp_path, corpus, BLOCK, train_iters=None, train_tokens=budget), SINGLE)
+    trainer.train()
+    assert trainer.iteration == 8 and trainer.consumed_tokens == 4 * sum(schedule[:8])
+    scheduler = trainer.engine.lr_scheduler  # the default decay covers the run's counted tokens
+    assert scheduler.num_steps == scheduler.decay_steps == 4 * sum(schedule[:8])
+    assert -(-budget // 64) < 8  # whole sequences (64 tokens an iteration) would have stopped earlier
+    capped = Trainer(_config(tmp_path, corpus, BLOCK, train_iters=5, train_tokens=budget), SINGLE)
+    capped.train()
+    assert capped.iteration == 5  # --train-iters came first
+
+
 def test_the_run_refuses_what_the_curriculum_cannot_do(tmp_path):
     corpus = write_corpus(tmp_path)
     with pytest.raises(ConfigError, match="max_difficulty 32 is above --seq-length 16"):

@@ -105,7 +105,8 @@ def test_a_chosen_layer_changes_only_its_kept_positions_as_the_layer_alone_would
 
 
 def _flags(tmp_path, corpus: str, data_efficiency: dict | None, **overrides: object) -> list[str]:
-    flags = tiny_flags(corpus, hidden_dropout=0.0, attention_dropout=0.0, train_iters=6, eval_interval=6, **overrides)
+    shape = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "train_iters": 6, "eval_interval": 6}
+    flags = tiny_flags(corpus, **{**shape, **overrides})
     if data_efficiency is None:
         return flags
     ds = tmp_path / "ds.json"
@@ -120,6 +121,21 @@ def test_with_the_whole_sequence_kept_a_run_equals_the_plain_model(tmp_path):
     assert whole.losses == plain.losses and whole.validation == plain.validation
     dropping = Trainer(parse_args(_flags(tmp_path, corpus, block(4, 16, layers=(0, 1)))), SINGLE).train()
     assert dropping.losses[0] != plain.losses[0]  # a share kept: another run
+
+
+def test_tokens_count_each_layers_kept_share_as_megatron_deepspeed_does(tmp_path):
+    """Megatron-DeepSpeed's actual_seq_length: (length x (L - n) + kept x n) // L for n random-LTD
+    layers of L, once the kept length is below the sequence's; --train-tokens stops on that count."""
+    corpus = write_corpus(tmp_path)
+    kept = deepspeed_lengths(block()["data_routing"]["random_ltd"]["random_ltd_schedule"], 20)
+    counted = [4 * ((16 * 1 + k * 1) // 2 if k < 16 else 16) for k in kept]  # 1 of the 2 layers drops tokens
+    trainer = Trainer(parse_args(_flags(tmp_path, corpus, block())), SINGLE)
+    trainer.train()
+    assert trainer.consumed_tokens == sum(counted[:6]) and trainer.engine.lr_scheduler.num_steps == sum(counted[:6])
+    budget = sum(counted[:9])
+    by_tokens = Trainer(parse_args(_flags(tmp_path, corpus, block(), train_iters=None, train_tokens=budget)), SINGLE)
+    by_tokens.train()
+    assert by_tokens.iteration == 9 and by_tokens.consumed_tokens == budget
 
 
 def test_a_resumed_run_draws_the_same_tokens(tmp_path):

@@ -70,7 +70,7 @@ class TrainingConfig:
     # where none was given (`default_global_batch`), the micro batch
     global_batch_size: int
     default_global_batch: bool
-    train_length: Span
+    train_length: Span  # --train-iters or --train-samples, else --train-tokens
     min_lr: float  # Megatron's annealing (the peak is the optimizer's lr)
     lr_decay_style: str
     lr_warmup: Span | None  # None: no warmup
@@ -90,6 +90,7 @@ class TrainingConfig:
     random_ltd: bool = False  # Megatron-DeepSpeed's flag for the ds_config data_routing.random_ltd block
     # Megatron-DeepSpeed's flag for the ds_config data_sampling.curriculum_learning block
     data_efficiency_curriculum_learning: bool = False
+    train_tokens: int | None = None  # --train-tokens: a stop on the tokens trained (training/run_length.py)
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -97,6 +98,7 @@ class TrainingConfig:
 
     @property
     def train_iters(self) -> int:
+        """The iterations of train_length with whole sequences; run_length() resolves --train-tokens."""
         return self.train_length.iterations(self.global_batch_size, self.seq_length)
 
     @property
@@ -462,7 +464,13 @@ def build_parser(sizing: bool = False) -> FlagParser:
     )
     g.add_argument("--train-iters", type=positive_int, default=None)
     g.add_argument("--train-samples", type=positive_int, default=None)
-    g.add_argument("--train-tokens", type=positive_int, default=None)
+    g.add_argument(
+        "--train-tokens",
+        type=positive_int,
+        default=None,
+        help="stop once this many tokens are trained (a curriculum's as cut); with --train-iters or "
+        "--train-samples, at whichever comes first",
+    )
     g.add_argument(
         "--lr",
         type=positive_float,
@@ -637,23 +645,32 @@ def build_parser(sizing: bool = False) -> FlagParser:
     return parser
 
 
-def _one_of(args: argparse.Namespace, names: list[str], required: bool) -> str | None:
+def _one_of(args: argparse.Namespace, names: list[str]) -> str | None:
     given = [n for n in names if getattr(args, n) is not None]
     if len(given) > 1:
         flags = " and ".join("--" + n.replace("_", "-") for n in given)
         raise ConfigError(f"{flags} were both given; use only one of them")
-    if required and not given:
-        raise ConfigError(
-            "give the training length with one of " + ", ".join("--" + n.replace("_", "-") for n in names)
-        )
     return given[0] if given else None
 
 
-def _span(args: argparse.Namespace, kind: str, required: bool = False) -> Span | None:
+def _span(args: argparse.Namespace, kind: str) -> Span | None:
     """The length --KIND-iters, --KIND-samples or --KIND-tokens gives (at most one of them)."""
-    units: dict[str, SpanUnit] = {f"{kind}_iters": "iters", f"{kind}_samples": "samples", f"{kind}_tokens": "tokens"}
-    which = _one_of(args, list(units), required=required)
+    units: dict[str, SpanUnit] = {f"{kind}_iters": "iters", f"{kind}_samples": "samples"}
+    if kind != "train":  # --train-tokens is a stop of its own (_train_length)
+        units[f"{kind}_tokens"] = "tokens"
+    which = _one_of(args, list(units))
     return None if which is None else Span(units[which], getattr(args, which))
+
+
+def _train_length(args: argparse.Namespace) -> Span:
+    """--train-iters or --train-samples, else --train-tokens: Megatron-DeepSpeed takes --train-tokens
+    beside either as a second stop (training/run_length.py)."""
+    length = _span(args, "train")
+    if length is not None:
+        return length
+    if args.train_tokens is None:
+        raise ConfigError("give the training length with one of --train-iters, --train-samples, --train-tokens")
+    return Span("tokens", args.train_tokens)
 
 
 def _check_lr_spans(training: TrainingConfig) -> None:
@@ -774,8 +791,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         )
     if args.data_path and args.train_data_path:
         raise ConfigError("--data-path and --train-data-path were both given; use one of them for training data")
-    train_length = _span(args, "train", required=True)
-    assert train_length is not None
+    train_length = _train_length(args)
     model = model_config_from_args(args)
     data = DataConfig(
         data_path=tuple(args.data_path) if args.data_path else None,
@@ -801,6 +817,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         global_batch_size=args.global_batch_size or args.micro_batch_size,
         default_global_batch=args.global_batch_size is None,
         train_length=train_length,
+        train_tokens=args.train_tokens,
         min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style,
         lr_warmup=_span(args, "lr_warmup"),

@@ -48,6 +48,7 @@ from megatron.training.losses import Losses
 from megatron.training.moe_monitor import MoEMonitor
 from megatron.training.random_ltd_schedule import random_ltd_for
 from megatron.training.run_datasets import run_datasets
+from megatron.training.run_length import TokenCount, run_length
 from megatron.training.step import ForwardStep, GPTBatch, StageForward, forward_step, gpt_batch
 from megatron.training.upcycling import upcycle_from_checkpoint
 
@@ -121,11 +122,13 @@ class Trainer:
         )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor()
-        self.curriculum = sequence_curriculum(runtime.curriculum_learning, runtime.data_efficiency, config)
+        curriculum = sequence_curriculum(runtime.curriculum_learning, runtime.data_efficiency, config)
         self.curriculum_sampling = curriculum_sampling_for(runtime.data_efficiency, config)
         self.random_ltd = random_ltd_for(runtime.data_efficiency, config)
         if self.random_ltd is not None:
             model.random_ltd = self.random_ltd.layers
+        self.count = TokenCount(config, curriculum, self.random_ltd)
+        self.length = run_length(config)
         lg = config.logging
         self.timers = (
             Timers(lg.timing_log_level, lg.timing_log_option, grid.device) if lg.timing_log_level > 0 else None
@@ -139,7 +142,7 @@ class Trainer:
                 self.load_dir,
                 grid,
                 ckpt.ckpt_step if self.load_dir == ckpt.load else None,
-                None if ckpt.reset_iteration else t.train_iters,
+                None if ckpt.reset_iteration else self.length.train_iters,
                 self.log.info,
                 model=self.model_config,  # the checkpoint's model compared with this one's, field by field
                 weights_only=ckpt.reset_iteration,
@@ -159,7 +162,7 @@ class Trainer:
                 max_lr=runtime.optimizer.params.lr,
                 min_lr=t.min_lr,
                 warmup_steps=t.lr_warmup_tokens,
-                decay_steps=t.lr_decay_tokens,
+                decay_steps=self.length.lr_decay_tokens,
                 decay_style=t.lr_decay_style,
                 increment=t.tokens_per_iteration,
             )
@@ -173,7 +176,7 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed_samples = 0
-        self.consumed_tokens = 0  # fewer than samples x --seq-length under a curriculum
+        self.consumed_tokens = 0  # as counted by self.count: fewer under a curriculum or random-LTD
         self.saved_iteration: int | None = None
         self.window = LogWindow()  # the iterations since the last log line (a resume carries them)
         self.run_start = (0, 0)  # iteration and skipped steps where train() began
@@ -309,10 +312,6 @@ class Trainer:
         )
         return iter(sampled_loader(self.train_data, sampler, self.config.data.num_workers))
 
-    def seq_length(self, iteration: int) -> int:
-        """Training iteration `iteration`'s (from 1) sequence length: the curriculum's, else --seq-length."""
-        return self.config.training.seq_length if self.curriculum is None else self.curriculum.difficulty(iteration)
-
     def _batch(self, data_iter: Iterator[dict[str, torch.Tensor]], seq_length: int | None = None) -> GPTBatch:
         """The next micro-batch, its sequences cut to `seq_length` when given."""
         with timed("batch-generator"):
@@ -342,9 +341,9 @@ class Trainer:
         self.engine.module.train()
         if self.random_ltd is not None:
             self.random_ltd.begin_iteration(self.iteration + 1)
-        seq_length = self.seq_length(self.iteration + 1)
+        seq_length = self.count.seq_length(self.iteration + 1)
         if isinstance(self.engine.lr_scheduler, AnnealingLR):  # Megatron's schedule counts the tokens trained
-            self.engine.lr_scheduler.increment = self.config.training.global_batch_size * seq_length
+            self.engine.lr_scheduler.increment = self.count.tokens(self.iteration + 1)
         if self.grid.pp_size > 1:
             return self._pipeline_train_step(data_iter, seq_length)
         total = Losses.zeros(self.grid.device)
@@ -496,35 +495,39 @@ class Trainer:
         cfg, t = self.config, self.config.training
         result = TrainResult(iteration=self.iteration)
         self.run_start = (self.iteration, self.engine.skipped_steps)  # this run's skipped steps count from here
-        if self.iteration >= t.train_iters:  # a finished run started again: its last checkpoint is loaded
+        if self.iteration >= self.length.train_iters:  # a finished run started again: its last checkpoint is loaded
             self.log.info(
-                f" > training is already complete at iteration {self.iteration} of {t.train_iters}; "
+                f" > training is already complete at iteration {self.iteration} of {self.length.train_iters}; "
                 "raise --train-iters to train further"
             )
         if cfg.logging.eval_at_start and self.iteration == 0:
             self._validate(result)
-        data_iter = self.train_loader() if self.iteration < t.train_iters else None
+        data_iter = self.train_loader() if self.iteration < self.length.train_iters else None
         peak = peak_flops(self.grid.device, self.engine.autocast_dtype or torch.float32, cfg.logging.peak_tflops)
         self.log.info(f" > MFU in the log is against {peak.tflops:.3f} TFLOP/s per rank, from {peak.source}")
         window = self.window  # read back once per log interval: no per-step sync
         to_tensorboard = cfg.logging.log_timers_to_tensorboard
         interval_start, interval_skipped = time.perf_counter(), self.engine.skipped_steps - window.skipped
         interval_tokens, interval_flops = 0, 0.0  # this run's iterations of the interval
-        while self.iteration < t.train_iters:
+        while self.iteration < self.length.train_iters:
             window.losses.append(self.train_step(data_iter))
             self.iteration += 1
-            seq_length = self.seq_length(self.iteration)
+            seq_length = self.count.seq_length(self.iteration)
             self.consumed_samples += t.global_batch_size
-            self.consumed_tokens += t.global_batch_size * seq_length
+            self.consumed_tokens += self.count.tokens(self.iteration)
             interval_tokens += t.global_batch_size * seq_length
             interval_flops += self.model_config.flops_per_token(seq_length) * t.global_batch_size * seq_length
             window.skipped = self.engine.skipped_steps - interval_skipped
             self._check_step()
-            self.log.progress("iterations done", self.iteration, t.train_iters)
+            self.log.progress("iterations done", self.iteration, self.length.train_iters)
             exit_reason = exits.reason(self.iteration)
             if self.distilling and not cfg.distill.kd_active(self.iteration):
                 self._stop_kd()
-            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters or exit_reason:
+            if (
+                self.iteration % cfg.logging.log_interval == 0
+                or self.iteration == self.length.train_iters
+                or exit_reason
+            ):
                 if self.grid.device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds = (time.perf_counter() - interval_start) / (len(window.losses) - window.carried)
@@ -538,7 +541,7 @@ class Trainer:
                 tflops = interval_flops / iterations / seconds / 1e12 / self.grid.world_size
                 self.log.training_line(
                     self.iteration,
-                    t.train_iters,
+                    self.length.train_iters,
                     IntervalStats(
                         consumed_samples=self.consumed_samples,
                         consumed_tokens=self.consumed_tokens,
@@ -579,7 +582,7 @@ class Trainer:
                 self._save(result)
         result.iteration = self.iteration
         self._refuse_a_run_that_trained_nothing()
-        if t.train_iters % cfg.logging.eval_interval:
+        if self.length.train_iters % cfg.logging.eval_interval:
             self._validate(result)
         if self.test_data is not None:
             result.test_loss = self.evaluate(self.test_data)
@@ -634,7 +637,7 @@ class Trainer:
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "nothing saved (no --save)"
         skipped = self._skipped_this_run()
         self.log.info(
-            f" > exiting at iteration {self.iteration} of {self.config.training.train_iters}: {reason}; {saved}"
+            f" > exiting at iteration {self.iteration} of {self.length.train_iters}: {reason}; {saved}"
             + (f"; {skipped}" if skipped else "")
         )
         self.log.close()

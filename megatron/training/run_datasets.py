@@ -6,6 +6,7 @@ from typing import Any
 from megatron.config.flags import PretrainConfig
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.errors import DataError
+from megatron.training.run_length import run_length
 
 
 def run_datasets(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, Any]:
@@ -16,7 +17,7 @@ def run_datasets(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, Any
     datasets = build_train_valid_test_datasets(
         list(d.data_path) if d.data_path else None,
         d.split,
-        (t.train_iters * t.global_batch_size, eval_samples, eval_samples),
+        (run_length(config).train_iters * t.global_batch_size, eval_samples, eval_samples),
         t.seq_length,
         t.seed,
         train_data_prefix=list(d.train_data_path) if d.train_data_path else None,
