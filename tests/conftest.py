@@ -25,8 +25,8 @@ TIERS = {
         long_runs model_size moe_ep_dispatch moe_layer moe_router_options moe_training offload parallel_grid
         pipeline_parallel_training profiler_ranks save_lock swap_integrity tensor_parallel tensor_parallel_model
         tensor_parallel_training timers training upcycling zero""",
-    "tools": """aio autotuning docs_commands hf_tokenizer_check lr_range_tool plotting preemption_with_workers preprocess_inputs
-        preprocess_tools recipes setup thread_choice tool_behaviour""",
+    "tools": """aio autotuning data_efficiency_study docs_commands hf_tokenizer_check lr_range_tool plotting
+        preemption_with_workers preprocess_inputs preprocess_tools recipes setup thread_choice tool_behaviour""",
 }
 TIER_OF = {f"test_{name}": tier for tier, names in TIERS.items() for name in names.split()}
 

@@ -29,7 +29,7 @@ from megatron.cli import (
 )
 from megatron.config.flags import build_parser as pretrain_parser
 from tasks.eval_harness import evaluate
-from tools import balancing_study, quality_study
+from tools import balancing_study, data_efficiency_study, quality_study
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", REPO / "examples_deepspeed/MoE/README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -44,6 +44,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "tools/autotune.py": autotune.build_autotune_parser,
     "tools/quality_study.py": quality_study.build_parser,
     "tools/balancing_study.py": balancing_study.build_parser,
+    "tools/data_efficiency_study.py": data_efficiency_study.build_parser,
     "tasks/eval_harness/evaluate.py": evaluate.build_parser,
     "ds_io": ds_io.build_parser,
     "ds_nvme_tune": ds_nvme_tune.build_parser,
