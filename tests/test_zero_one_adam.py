@@ -188,3 +188,29 @@ def test_an_older_checkpoint_resumes_at_a_synchronisation_and_is_refused_between
     optimizer.load_state_dict(between)
     with pytest.raises(CheckpointError, match="saved between two synchronisations by an older version"):
         step(6)
+
+
+def test_a_loaded_state_keeps_its_counters_on_the_host_as_float32():
+    """torch's load_state_dict casts state to the parameter's dtype and device (a GPU there, where
+    each read of a counter would wait for it); the counters come back as host float32 and the run
+    goes on as the uninterrupted one."""
+    torch.manual_seed(0)
+    param, grads = torch.nn.Parameter(torch.randn(8, dtype=torch.float64)), torch.randn(6, 8, dtype=torch.float64)
+    optimizer = ZeroOneAdam([param], var_freeze_step=1, local_step_scaler=1, local_step_clipper=2, lr=0.1)
+    for number in range(4):
+        param.grad = grads[number].clone()
+        optimizer.step()
+    saved, weights = copy.deepcopy(optimizer.state_dict()), param.detach().clone()
+    for number in (4, 5):
+        param.grad = grads[number].clone()
+        optimizer.step()
+    expected = param.detach().clone()
+    param.data.copy_(weights)
+    optimizer.load_state_dict(saved)
+    state = optimizer.state[param]
+    counters = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs")
+    assert all(state[key].dtype == torch.float32 and state[key].device.type == "cpu" for key in counters)
+    for number in (4, 5):
+        param.grad = grads[number].clone()
+        optimizer.step()
+    assert torch.equal(param.detach(), expected)

@@ -37,6 +37,16 @@ from megatron.runtime.optim.compressed import AdamParams, CompressedOptimizer
 _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs")
 
 
+def _counters_on_the_host(optimizer: torch.optim.Optimizer) -> None:
+    """torch's load puts every state value on its parameter's device and dtype; the counters are read
+    on every step of every parameter, so they go back to the host as float32 (reading one from a GPU
+    would wait for the device each time)."""
+    for state in optimizer.state.values():
+        for key in _COUNTERS:
+            if key in state:
+                state[key] = state[key].to("cpu", torch.float32)
+
+
 class ZeroOneAdam(CompressedOptimizer):
     def __init__(
         self,
@@ -53,6 +63,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
+        self.register_load_state_dict_post_hook(_counters_on_the_host)
 
     def _state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         state = adam_state(self, param)
