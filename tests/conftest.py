@@ -20,7 +20,7 @@ TIERS = {
     "integration": """checkpoint_faults checkpoint_format1 curriculum curriculum_sampling data_loader_worker_faults generation
         hf_import_faults
         load_config_check memory run_end_faults runtime""",
-    "distributed": """comms_logger config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop
+    "distributed": """async_save comms_logger config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop
         onebit_adam onebit_allreduce onebit_lamb zero_one_adam random_ltd curriculum_pipeline
         long_runs model_size moe_ep_dispatch moe_layer moe_router_options moe_training offload parallel_grid
         pipeline_parallel_training profiler_ranks save_lock swap_integrity tensor_parallel tensor_parallel_model

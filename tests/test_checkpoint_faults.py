@@ -31,7 +31,6 @@ SINGLE = single_process_grid(torch.device("cpu"))
 ITERS, INTERVAL = 6, 2
 # every disk operation of a save, in the order the protocol makes them
 PROTOCOL_STEPS = [
-    (save_module, "save_rng_state"),
     (save_module, "save_tensors"),
     (save_module, "fsync_path"),
     (save_module, "write_manifest"),
@@ -71,21 +70,24 @@ def _count_protocol_steps(kill_at: int | None, calls: list[int]) -> None:
 
 
 def _train_until_killed(
-    corpus: str, folder: str, kill_at: int, made: "multiprocessing.sharedctypes.Synchronized"
+    corpus: str, folder: str, kill_at: int, made: "multiprocessing.sharedctypes.Synchronized", async_save: bool
 ) -> None:
     torch.set_num_threads(1)
     calls: list[int] = []
     _count_protocol_steps(kill_at, calls)
-    Trainer(tiny_config(corpus, train_iters=ITERS, save=folder, load=folder, save_interval=INTERVAL), SINGLE).train()
+    config = tiny_config(
+        corpus, train_iters=ITERS, save=folder, load=folder, save_interval=INTERVAL, async_save=async_save
+    )
+    Trainer(config, SINGLE).train()
     made.value = len(calls)
 
 
-def _killed_child(corpus: str, folder: Path, kill_at: int) -> bool:
+def _killed_child(corpus: str, folder: Path, kill_at: int, async_save: bool) -> bool:
     """A forked child trains in `folder` (resuming from it) and dies at protocol call `kill_at`:
     True when it did, False when it finished making fewer calls than that."""
     context = multiprocessing.get_context("fork")
     made = context.Value("i", -1)
-    child = context.Process(target=_train_until_killed, args=(corpus, str(folder), kill_at, made))
+    child = context.Process(target=_train_until_killed, args=(corpus, str(folder), kill_at, made, async_save))
     child.start()
     child.join(timeout=120)
     assert child.exitcode == -signal.SIGKILL or (child.exitcode == 0 and made.value < kill_at), (
@@ -94,14 +96,19 @@ def _killed_child(corpus: str, folder: Path, kill_at: int) -> bool:
     return child.exitcode == -signal.SIGKILL
 
 
-def _protocol_calls_per_save(corpus: str, tmp_path: Path) -> int:
+def _protocol_calls_per_save(corpus: str, tmp_path: Path, async_save: bool) -> int:
     calls: list[int] = []
     real = {(module, name): getattr(module, name) for module, name in PROTOCOL_STEPS}
     try:
         _count_protocol_steps(None, calls)
         Trainer(
             tiny_config(
-                corpus, train_iters=INTERVAL, lr_warmup_iters=1, save=str(tmp_path / "count"), save_interval=INTERVAL
+                corpus,
+                train_iters=INTERVAL,
+                lr_warmup_iters=1,
+                save=str(tmp_path / "count"),
+                save_interval=INTERVAL,
+                async_save=async_save,
             ),
             SINGLE,
         ).train()
@@ -111,19 +118,23 @@ def _protocol_calls_per_save(corpus: str, tmp_path: Path) -> int:
     return len(calls)
 
 
-def test_a_kill_at_every_step_of_the_save_twice_in_a_row_loses_nothing(corpus, tmp_path, one_thread):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_kill_at_every_step_of_the_save_twice_in_a_row_loses_nothing(corpus, tmp_path, one_thread, async_save):
+    """--async-save too: its steps run in the writer thread and at the iteration that finishes it."""
     reference = Trainer(
         tiny_config(corpus, train_iters=ITERS, save=str(tmp_path / "full"), save_interval=INTERVAL), SINGLE
     )
     reference.train()
-    per_save = _protocol_calls_per_save(corpus, tmp_path)
+    per_save = _protocol_calls_per_save(corpus, tmp_path, async_save)
     assert per_save >= 8  # rng, model, optimizer (each fsync'd), the folder, manifest, renames, latest
     for step in range(1, per_save + 1):
         folder = tmp_path / f"kill{step}"
         # the first child dies in its second save (iteration 4), the second in the first save it makes
         # (a save after a resume may make fewer calls: nothing is left to remove)
-        assert _killed_child(corpus, folder, per_save + step)
-        _killed_child(corpus, folder, step)
+        assert _killed_child(corpus, folder, per_save + step, async_save)
+        _killed_child(corpus, folder, step, async_save)
+        latest = read_latest(str(folder))[0]  # never a folder that is not complete
+        assert latest is None or (folder / f"iter_{latest:07d}" / MANIFEST_FILE).is_file(), f"killed at step {step}"
         finished = Trainer(
             tiny_config(corpus, train_iters=ITERS, save=str(folder), load=str(folder), save_interval=INTERVAL), SINGLE
         )

@@ -60,10 +60,15 @@ class FolderSaver(Protocol):
 def save_checkpoint(engine: FolderSaver, save_dir: str, iteration: int, run: RunRecord) -> Path:
     """Save `save_dir/iter_N/` atomically, then move `latest` to it."""
     folder = engine.save_checkpoint(save_dir, iteration_tag(iteration), run=run)
-    if engine.parallel.is_first_rank:
-        write_text_durably(Path(save_dir) / LATEST_FILE, f"{iteration}\n")
-    engine.parallel.barrier()
+    point_latest(save_dir, iteration, engine.parallel)
     return folder
+
+
+def point_latest(save_dir: str, iteration: int, grid: ParallelGrid) -> None:
+    """Move `latest` to iteration `iteration`, whose folder is complete (every rank, together)."""
+    if grid.is_first_rank:
+        write_text_durably(Path(save_dir) / LATEST_FILE, f"{iteration}\n")
+    grid.barrier()
 
 
 def read_latest(load_dir: str) -> tuple[int | None, str | None]:

@@ -10,7 +10,9 @@
    `iter_N.old/`, renames `iter_N.tmp/` to `iter_N/`, flushes the directory and removes the old one.
 
 A crash at any point leaves every earlier checkpoint as it was; `iterations.py` moves `latest`
-only after step 4, and cleans up what a crash left behind.
+only after step 4, and cleans up what a crash left behind. Steps 1-2 (prepare_save), the writing
+(write_rank_files, which takes no collective) and steps 3-4 (finish_save) are separate so that
+an asynchronous save (async_save.py) writes in a thread between the two that the ranks take together.
 """
 
 import errno
@@ -34,7 +36,7 @@ from megatron.checkpoint.manifest import (
     RunRecord,
     write_manifest,
 )
-from megatron.checkpoint.tensors import pack_by_size, save_rng_state, save_tensors
+from megatron.checkpoint.tensors import RngState, pack_by_size, rng_state, save_tensors
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
 
@@ -63,6 +65,7 @@ class EngineState:
     zero_stage: int
     precision: str
     rank_own: RankOwnState | None = None
+    rng: RngState = field(default_factory=rng_state)  # taken when the state is
 
     def tensor_sets(self) -> list[dict[str, torch.Tensor]]:
         return [self.model, self.optimizer, *([self.rank_own.tensors] if self.rank_own else [])]
@@ -131,8 +134,9 @@ class _RankWriter:
             name = rank_file(stem, rank, part)
             self._written(name, save_tensors(self.folder / name, entries, metadata))
 
-    def rng(self, rank: int) -> None:
-        self._written(rank_file(RNG, rank), save_rng_state(self.folder / rank_file(RNG, rank)))
+    def rng(self, rank: int, state: RngState) -> None:
+        name = rank_file(RNG, rank)
+        self._written(name, save_tensors(self.folder / name, state.tensors, state.metadata))
 
     def records(self) -> dict[str, FileRecord]:
         try:
@@ -143,20 +147,28 @@ class _RankWriter:
             self.pool.shutdown()
 
 
-def _write_rank_files(folder: Path, state: EngineState) -> tuple[dict[str, FileRecord], str | None]:
-    """This rank's files and their records, or the error that stopped the writing."""
+@dataclass(frozen=True)
+class RankWrite:
+    """What writing one rank's files gave: their records, or the error that stopped it."""
+
+    records: dict[str, FileRecord]
+    error: str | None
+
+
+def write_rank_files(staging: Path, state: EngineState) -> RankWrite:
+    """This rank's files, written into the staging folder; no collective, so a thread can do it."""
     rank = state.grid.rank
-    writer = _RankWriter(folder)
+    writer = _RankWriter(staging)
     try:
-        writer.rng(rank)
+        writer.rng(rank, state.rng)
         writer.tensors(MODEL, rank, state.model)
         writer.tensors(OPTIMIZER, rank, state.optimizer)
         if state.rank_own is not None:
             writer.tensors(COMPRESSION, rank, state.rank_own.tensors, state.rank_own.metadata)
-        return writer.records(), None
+        return RankWrite(writer.records(), None)
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         writer.pool.shutdown(cancel_futures=True)
-        return {}, getattr(error, "strerror", None) or str(error)
+        return RankWrite({}, getattr(error, "strerror", None) or str(error))
 
 
 def layout_record(grid: ParallelGrid) -> LayoutRecord:
@@ -199,8 +211,17 @@ def _finish(
     _move_into_place(staging, final)
 
 
-def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
-    """Write `state` (every rank's) as the checkpoint folder `final`, atomically (see the module doc)."""
+@dataclass(frozen=True)
+class PreparedSave:
+    """A save that passed its checks, with its staging folder made: what the ranks write into."""
+
+    staging: Path
+    final: Path
+    needed: int  # bytes, every rank's, for the message of a full disk
+
+
+def prepare_save(state: EngineState, final: Path) -> PreparedSave:
+    """Steps 1-2 of the protocol before the writing (every rank, together)."""
     grid = state.grid
     _refuse_nonfinite(state, final)
     needed = _bytes_needed(state)
@@ -213,13 +234,19 @@ def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     grid.barrier()
-    records, error = _write_rank_files(staging, state)
-    outcomes = grid.gather_from_all((records, error))
-    failed = [(rank, error) for rank, (_, error) in enumerate(outcomes) if error]
+    return PreparedSave(staging, final, needed)
+
+
+def finish_save(prepared: PreparedSave, state: EngineState, written: RankWrite, run: RunRecord | None) -> Path:
+    """Steps 3-4 (every rank, together): the manifest and the rename once every rank's files are
+    written, else the partial folder removed and the run stopped with one sentence."""
+    grid, staging, final = state.grid, prepared.staging, prepared.final
+    outcomes: list[RankWrite] = grid.gather_from_all(written)
+    failed = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if outcome.error]
     if not failed:
         finish_error = None
         if grid.is_first_rank:
-            files = {name: record for rank_records, _ in outcomes for name, record in rank_records.items()}
+            files = {name: record for outcome in outcomes for name, record in outcome.records.items()}
             try:
                 _finish(staging, final, state, files, run)
             except OSError as error:
@@ -232,7 +259,7 @@ def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
         rank, reason = failed[0]
         full = os.strerror(errno.ENOSPC) in reason
         advice = (
-            f"it needs about {needed:,} bytes: free space or point --save at a larger disk"
+            f"it needs about {prepared.needed:,} bytes: free space or point --save at a larger disk"
             if full
             else "check the --save disk"
         )
@@ -241,3 +268,9 @@ def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
             f"earlier checkpoints are intact; {advice}"
         )
     return final
+
+
+def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:
+    """Write `state` (every rank's) as the checkpoint folder `final`, atomically (see the module doc)."""
+    prepared = prepare_save(state, final)
+    return finish_save(prepared, state, write_rank_files(prepared.staging, state), run)

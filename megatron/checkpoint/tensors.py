@@ -14,6 +14,7 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -309,7 +310,17 @@ def load_optimizer_state(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save_rng_state(path: Path) -> FileRecord:
+@dataclass(frozen=True)
+class RngState:
+    """Every generator's state, as the rng file holds it: torch's as tensors, Python's and numpy's
+    as JSON metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+def rng_state() -> RngState:
+    """The generators' state now (a save in the background writes what they were at the save)."""
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()
@@ -318,7 +329,7 @@ def save_rng_state(path: Path) -> FileRecord:
         "python": json.dumps(random.getstate()),
         "numpy": json.dumps([np_state[0], np_state[1].tolist(), *np_state[2:]]),
     }
-    return save_tensors(path, tensors, metadata)
+    return RngState(tensors, metadata)
 
 
 def load_rng_state(path: Path) -> None:

@@ -138,6 +138,7 @@ class CheckpointConfig:
     overwrite_checkpoints: bool  # a run from scratch may save over the checkpoints already in --save
     # --load holds a dense model whose weights start this MoE model (megatron/training/upcycling.py)
     moe_use_upcycling: bool = False
+    async_save: bool = False  # --async-save (megatron/checkpoint/async_save.py)
 
 
 @dataclass(frozen=True)
@@ -574,6 +575,12 @@ def build_parser(sizing: bool = False) -> FlagParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=positive_int, default=None)
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background from a copy in host memory; `latest` moves once every "
+        "rank's files are durable",
+    )
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument(
@@ -861,6 +868,7 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
         ckpt_step=args.ckpt_step,
         overwrite_checkpoints=args.overwrite_checkpoints,
         moe_use_upcycling=args.moe_use_upcycling,
+        async_save=args.async_save,
     )
     if args.moe_use_upcycling and (not args.load or args.reset_iteration):
         raise ConfigError(

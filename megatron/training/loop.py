@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron.checkpoint.async_save import AsyncCheckpointSaver, SavedCheckpoint
 from megatron.checkpoint.iterations import (
     ResumePoint,
     holds_checkpoints,
@@ -178,6 +179,8 @@ class Trainer:
         self.consumed_samples = 0
         self.consumed_tokens = 0  # as counted by self.count: fewer under a curriculum or random-LTD
         self.saved_iteration: int | None = None
+        # --async-save: checkpoints written in the background, at most one in flight
+        self.saver = AsyncCheckpointSaver(grid, self.log.info) if config.checkpoint.async_save else None
         self.window = LogWindow()  # the iterations since the last log line (a resume carries them)
         self.run_start = (0, 0)  # iteration and skipped steps where train() began
         if self.resume_from is not None:
@@ -444,29 +447,55 @@ class Trainer:
             training_data=list(data.data_path or data.train_data_path or ()) or None,
             command_line=shlex.join(sys.argv),
         )
-        self.log.info(f" > saving checkpoint at iteration {self.iteration} to {self.config.checkpoint.save}")
+        save_dir = self.config.checkpoint.save
+        if self.saver is not None:
+            with timed("save-checkpoint"):
+                previous = self.saver.start(self.engine.checkpoint_state(), save_dir, self.iteration, run)
+            self._saved_in_background(result, previous)
+            self.log.info(f" > saving checkpoint at iteration {self.iteration} to {save_dir} in the background")
+            return
+        self.log.info(f" > saving checkpoint at iteration {self.iteration} to {save_dir}")
         start = time.perf_counter()
         with timed("save-checkpoint"):
-            path = save_checkpoint(self.engine, self.config.checkpoint.save, self.iteration, run)
+            path = save_checkpoint(self.engine, save_dir, self.iteration, run)
         result.checkpoint = str(path)
         self.saved_iteration = self.iteration
         self.log.info(
             f" > saved checkpoint at iteration {self.iteration} to {path} in {time.perf_counter() - start:.1f} s"
         )
 
-    def _check_step(self) -> None:
+    def _saved_in_background(self, result: TrainResult, saved: SavedCheckpoint | None) -> None:
+        if saved is None:
+            return
+        result.checkpoint, self.saved_iteration = str(saved.folder), saved.iteration
+        self.log.info(
+            f" > saved checkpoint at iteration {saved.iteration} to {saved.folder} in {saved.seconds:.1f} s in the "
+            f"background (training waited {saved.blocked_seconds:.2f} s for the copy)"
+        )
+
+    def _settle_save(self, result: TrainResult) -> None:
+        """Wait for the save in flight, if any: before an exit, the end, or a stop."""
+        if self.saver is not None:
+            self._saved_in_background(result, self.saver.wait())
+
+    def _check_step(self, result: TrainResult) -> None:
         """The non-finite policy: bf16/fp32 stop at the first non-finite loss or gradient (unless
-        --no-check-for-nan-in-loss-and-grad); any run stops when too many steps in a row were skipped."""
+        --no-check-for-nan-in-loss-and-grad); any run stops when too many steps in a row were skipped.
+        A save in flight is finished first: it holds the state before the bad step."""
         t, engine = self.config.training, self.engine
+        limit = t.max_consecutive_skipped_iterations
+        nonfinite_stop = engine.last_nonfinite is not None and t.check_for_nan and self.runtime.precision != "fp16"
+        skipped_stop = bool(limit) and engine.consecutive_skipped_steps >= limit
+        if nonfinite_stop or skipped_stop:
+            self._settle_save(result)
         last_saved = f"iteration {self.saved_iteration}" if self.saved_iteration is not None else "none"
-        if engine.last_nonfinite is not None and t.check_for_nan and self.runtime.precision != "fp16":
+        if nonfinite_stop:
             raise TrainingStopped(
                 f"iteration {self.iteration}: {engine.last_nonfinite.describe()}, so the run stopped without saving "
                 f"(last checkpoint: {last_saved}); resume from it with a lower --lr or check the data, or pass "
                 "--no-check-for-nan-in-loss-and-grad to skip such steps"
             )
-        limit = t.max_consecutive_skipped_iterations
-        if limit and engine.consecutive_skipped_steps >= limit:
+        if skipped_stop:
             raise TrainingStopped(
                 f"iteration {self.iteration}: the last {engine.consecutive_skipped_steps} iterations all skipped their "
                 f"step ({engine.last_nonfinite.describe()}), so the run stopped without saving (last checkpoint: "
@@ -487,6 +516,8 @@ class Trainer:
                 result = self._train(exits)
         finally:
             exits.close()
+            if self.saver is not None:
+                self.saver.close()
         if self.engine.comms_log is not None:
             self.engine.comms_log.log_summary()
         return result
@@ -518,7 +549,9 @@ class Trainer:
             interval_tokens += t.global_batch_size * seq_length
             interval_flops += self.model_config.flops_per_token(seq_length) * t.global_batch_size * seq_length
             window.skipped = self.engine.skipped_steps - interval_skipped
-            self._check_step()
+            self._check_step(result)
+            if self.saver is not None:
+                self._saved_in_background(result, self.saver.poll())
             self.log.progress("iterations done", self.iteration, self.length.train_iters)
             exit_reason = exits.reason(self.iteration)
             if self.distilling and not cfg.distill.kd_active(self.iteration):
@@ -581,6 +614,7 @@ class Trainer:
             ):
                 self._save(result)
         result.iteration = self.iteration
+        self._settle_save(result)
         self._refuse_a_run_that_trained_nothing()
         if self.length.train_iters % cfg.logging.eval_interval:
             self._validate(result)
@@ -589,6 +623,7 @@ class Trainer:
             self.log.evaluation_line("test", self.iteration, result.test_loss)
         if cfg.checkpoint.save and self.saved_iteration != self.iteration:
             self._save(result)
+            self._settle_save(result)
         self._summary(result)
         self.log.close()
         return result
@@ -632,8 +667,10 @@ class Trainer:
     def _exit_early(self, result: TrainResult, reason: str) -> TrainResult:
         """Save (unless this iteration is saved already) and stop, as Megatron's planned exits do."""
         result.iteration, result.exit_reason = self.iteration, reason
+        self._settle_save(result)
         if self.config.checkpoint.save and self.saved_iteration != self.iteration:
             self._save(result)
+            self._settle_save(result)
         saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "nothing saved (no --save)"
         skipped = self._skipped_this_run()
         self.log.info(
