@@ -471,4 +471,17 @@ def dry_run(config: PretrainConfig, world: int) -> None:
     model = replace(config.model, vocab_size=vocabulary.rows(layout.tp_size))
     zero_stage = config.runtime_config(world // (layout.tp_size * layout.pp_size)).zero_optimization.stage
     if int(os.environ.get("RANK", "0")) == 0:
-        print("\n".join(size_report(model, t.seq_length, world, layout, zero_stage, vocabulary)), flush=True)
+        lines = size_report(model, t.seq_length, world, layout, zero_stage, vocabulary)
+        if config.checkpoint.async_save:
+            lines.append(async_save_line(model, t.seq_length, world, layout, zero_stage))
+        print("\n".join(lines), flush=True)
+
+
+def async_save_line(config: GPTConfig, seq_length: int, world_size: int, layout: Layout, zero_stage: int) -> str:
+    """--async-save's host copy: at most a rank's weights and optimizer state (what it saves)."""
+    m = rank_memory(model_size(config, seq_length), world_size, layout.ep_size, zero_stage, layout.tp_size,
+                    layout.pp_size, **layout.stages)  # fmt: skip
+    return (
+        f"--async-save: up to {(m.weights + m.optimizer) / GIB:.2f} GiB of host memory per rank for the copy of a "
+        "checkpoint while it is written (the rank's weights and optimizer state)"
+    )

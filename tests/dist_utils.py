@@ -2,7 +2,8 @@
 
 The ranks are forked from a fork server that imported torch and the toolkit once for the whole
 session: a spawned rank spends seconds importing torch (5-7 s for two ranks on a 2-core AMD EPYC),
-a forked one a tenth of a second. The server itself never computes, so no thread pool or
+a forked one a tenth of a second (the server also imports torch._dynamo, which torch's optimizers
+import when the first one is made: 2 s in every rank otherwise). The server itself never computes, so no thread pool or
 process group is forked. A rank takes the caller's environment, working directory and standard output and
 error at the call (the server's are those of the session's start, before pytest captured them)."""
 
@@ -22,7 +23,9 @@ from megatron.parallel import free_port
 
 RankFn = Callable[..., dict[str, torch.Tensor]]
 
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "safetensors.torch", "megatron.training.loop"])
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "torch._dynamo", "safetensors.torch", "megatron.training.loop"]
+)
 
 
 def _worker(

@@ -141,3 +141,11 @@ def test_expert_parallel_size_must_divide_every_expert_count():
 def test_unknown_mlp_type_is_rejected():
     with pytest.raises(ConfigError, match="--mlp-type: invalid choice: 'pyramid'"):
         parse("--train-iters 10 --num-experts 4 --mlp-type pyramid")
+
+
+def test_async_save_needs_a_save_folder():
+    assert parse("--train-iters 4 --async-save --save ckpt").checkpoint.async_save
+    with pytest.raises(
+        ConfigError, match="--async-save writes the checkpoints of --save in the background; add --save"
+    ):
+        parse("--train-iters 4 --async-save")

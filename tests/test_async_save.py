@@ -7,20 +7,28 @@ of an async save are in test_checkpoint_faults.py."""
 
 import errno
 import hashlib
+import multiprocessing
+import os
 import re
+import signal
 import time
+from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # torch's optimizers import it at their first: once here, not in every forked rank
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 import megatron.checkpoint.save as save_module
 from megatron.checkpoint.iterations import read_latest
-from megatron.checkpoint.layout import LATEST_FILE
+from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
 from megatron.errors import CheckpointError, TrainingStopped
-from megatron.parallel import build_parallel_grid, single_process_grid
+from megatron.parallel import build_parallel_grid, free_port, single_process_grid
 from megatron.training.loop import Trainer
 from tests.dist_utils import run_distributed
+from tests.save_protocol import count_protocol_steps
 from tests.training_fixtures import poisoned_forward, tiny_config, write_corpus
 
 SINGLE = single_process_grid(torch.device("cpu"))
@@ -84,7 +92,7 @@ def test_training_goes_on_while_the_files_are_written_and_latest_moves_after(cor
     assert any(line.startswith(" iteration        5/") for line in lines[started:finished])  # trained meanwhile
     waited = float(re.search(r"training waited ([0-9.]+) s", lines[finished]).group(1))
     written = float(re.search(r"in ([0-9.]+) s in the background", lines[finished]).group(1))
-    assert written >= 0.9 and waited < 0.2  # three slow files written while training went on
+    assert written >= 0.9 and waited < written / 2  # three slow files written while training went on
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000004", "iter_0000008", LATEST_FILE]
 
 
@@ -132,3 +140,91 @@ def test_a_nan_stop_finishes_the_save_in_flight_and_names_it(corpus, tmp_path, s
     with pytest.raises(TrainingStopped, match=r"iteration 3: .*\(last checkpoint: iteration 2\)"):
         trainer.train()
     assert read_latest(str(save))[0] == 2 and sorted(p.name for p in save.iterdir()) == ["iter_0000002", LATEST_FILE]
+
+
+def _pair_rank(rank: int, port: int, corpus: str, folder: str, kill_rank: int, kill_at: int | None) -> None:
+    """One of two ranks training in `folder` (resuming from it) with --async-save, rank `kill_rank`
+    SIGKILLing itself at its protocol call `kill_at` (None: never)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == kill_rank and kill_at is not None:
+        count_protocol_steps(kill_at, [])
+    config = tiny_config(corpus, 2, train_iters=4, save=folder, load=folder, save_interval=2, async_save=True,
+                         global_batch_size=8, log_interval=100, eval_interval=100)  # fmt: skip
+    Trainer(config, build_parallel_grid(torch.device("cpu"))).train()
+    dist.destroy_process_group()
+
+
+def _run_pair(corpus: str, folder: Path, kill_rank: int = 0, kill_at: int | None = None) -> bool:
+    """Two forked ranks; once one is killed the other is too. True when the kill happened."""
+    context, port = multiprocessing.get_context("fork"), free_port()
+    ranks = [
+        context.Process(target=_pair_rank, args=(rank, port, corpus, str(folder), kill_rank, kill_at))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + 120
+    while any(p.exitcode is None for p in ranks) and time.monotonic() < deadline:
+        if any(p.exitcode == -signal.SIGKILL for p in ranks):
+            for process in ranks:
+                if process.exitcode is None:
+                    process.kill()  # as a scheduler ends a job one of whose ranks died
+        time.sleep(0.02)
+    for process in ranks:
+        process.join(timeout=10)
+    codes = [p.exitcode for p in ranks]
+    killed = -signal.SIGKILL in codes
+    # a rank whose peer died may fail in its next collective first
+    assert all(code in ((0, 1, -signal.SIGKILL) if killed else (0,)) for code in codes), f"the ranks ended with {codes}"
+    return killed
+
+
+def _count_rank(rank: int, port: int, corpus: str, folder: str, counting: int, calls: "Synchronized[int]") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    counted: list[int] = []
+    if rank == counting:
+        count_protocol_steps(None, counted)
+    config = tiny_config(corpus, 2, train_iters=4, save=folder, save_interval=2, async_save=True,
+                         global_batch_size=8, log_interval=100, eval_interval=100)  # fmt: skip
+    Trainer(config, build_parallel_grid(torch.device("cpu"))).train()
+    dist.destroy_process_group()
+    if rank == counting:
+        calls.value = len(counted)
+
+
+def _protocol_calls_per_save(corpus: str, folder: Path, rank: int) -> int:
+    """Rank `rank`'s protocol calls in one save of the pair: half of a run's two (after the reference
+    run, so that the dataset's index is built and no call of building it counts)."""
+    context, port = multiprocessing.get_context("fork"), free_port()
+    calls = context.Value("i", 0)
+    ranks = [context.Process(target=_count_rank, args=(r, port, corpus, str(folder), rank, calls)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0] and calls.value % 2 == 0
+    return calls.value // 2
+
+
+@pytest.mark.parametrize("kill_rank", [0, 1])
+def test_on_two_ranks_a_kill_at_every_step_of_an_async_save_twice_loses_nothing(corpus, tmp_path, kill_rank):
+    reference = tmp_path / "reference"
+    _run_pair(corpus, reference)
+    per_save = _protocol_calls_per_save(corpus, tmp_path / "count", kill_rank)
+    assert per_save >= (10 if kill_rank == 0 else 2)  # rank 1 writes its rng file alone at ZeRO stage 0
+    for step in range(1, per_save + 1):
+        folder = tmp_path / f"kill{step}"
+        assert _run_pair(corpus, folder, kill_rank, per_save + step)  # dies in its second save
+        _run_pair(corpus, folder, kill_rank, step)  # and again in the first save after the resume
+        latest = read_latest(str(folder))[0]
+        assert latest is None or (folder / f"iter_{latest:07d}" / MANIFEST_FILE).is_file(), f"killed at step {step}"
+        assert not _run_pair(corpus, folder)  # the resumed run to the end
+        for name in ("model_rank00000.safetensors", "optimizer_rank00000.safetensors"):
+            # a resumed optimizer lists its state in another order: the tensors, not the bytes
+            resumed, expected = (load_file(str(run / "iter_0000004" / name)) for run in (folder, reference))
+            assert resumed.keys() == expected.keys(), f"killed at step {step}: {name}"
+            assert all(torch.equal(resumed[key], expected[key]) for key in expected), f"killed at step {step}: {name}"

@@ -3,7 +3,6 @@ in a row), bit flips in every file kind, a damaged or missing `latest`, a full d
 saved before manifests existed, a manifest deleted from a checkpoint that had one."""
 
 import multiprocessing
-import os
 import signal
 import subprocess
 from pathlib import Path
@@ -12,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import megatron.checkpoint.iterations as iterations_module
 import megatron.checkpoint.save as save_module
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
 from megatron.errors import CheckpointError
 from megatron.parallel import single_process_grid
 from megatron.training.loop import Trainer
+from tests.save_protocol import PROTOCOL_STEPS, count_protocol_steps
 from tests.training_fixtures import (
     FORMAT1_FLAGS,
     as_saved_before_manifests,
@@ -29,16 +28,6 @@ from tests.training_fixtures import (
 
 SINGLE = single_process_grid(torch.device("cpu"))
 ITERS, INTERVAL = 6, 2
-# every disk operation of a save, in the order the protocol makes them
-PROTOCOL_STEPS = [
-    (save_module, "save_tensors"),
-    (save_module, "fsync_path"),
-    (save_module, "write_manifest"),
-    (save_module, "replace_durably"),
-    (save_module.os, "replace"),
-    (save_module.shutil, "rmtree"),
-    (iterations_module, "write_text_durably"),
-]
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +44,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _count_protocol_steps(kill_at: int | None, calls: list[int]) -> None:
-    """Wrap every protocol step: count calls, and SIGKILL this process at call `kill_at`."""
-    for module, name in PROTOCOL_STEPS:
-        real = getattr(module, name)
-
-        def counted(*args, _real=real, **kwargs):
-            calls.append(1)
-            if len(calls) == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return _real(*args, **kwargs)
-
-        setattr(module, name, counted)
-
-
 def _train_until_killed(
     corpus: str, folder: str, kill_at: int, made: "multiprocessing.sharedctypes.Synchronized", async_save: bool
 ) -> None:
     torch.set_num_threads(1)
     calls: list[int] = []
-    _count_protocol_steps(kill_at, calls)
+    count_protocol_steps(kill_at, calls)
     config = tiny_config(
         corpus, train_iters=ITERS, save=folder, load=folder, save_interval=INTERVAL, async_save=async_save
     )
@@ -100,7 +75,7 @@ def _protocol_calls_per_save(corpus: str, tmp_path: Path, async_save: bool) -> i
     calls: list[int] = []
     real = {(module, name): getattr(module, name) for module, name in PROTOCOL_STEPS}
     try:
-        _count_protocol_steps(None, calls)
+        count_protocol_steps(None, calls)
         Trainer(
             tiny_config(
                 corpus,

@@ -393,3 +393,17 @@ def test_model_size_tool_refuses_a_layout_that_does_not_divide(capsys):
         "error: --tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 does "
         "not divide the 8 ranks; choose sizes whose product divides the number of processes\n"
     )
+
+
+def test_a_dry_run_with_async_save_counts_the_host_copy_of_a_checkpoint(tmp_path):
+    """The copy holds what the rank saves: the weights and optimizer columns of this run's row."""
+    flags = "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 1 "
+    flags += "--lr 1e-4 --train-iters 5 --tokenizer-type NullTokenizer --vocab-size 50000 --async-save --save ckpt"
+    command = [sys.executable, "pretrain_gpt.py", "--dry-run", *flags.split(), "--data-path", str(tmp_path / "none")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    row = next(line.split() for line in lines if line.split()[:2] == ["1", "0"] and line.endswith("*"))
+    weights, optimizer = float(row[2]), float(row[4])  # EP size, ZeRO stage, weights, gradients, optimizer, total
+    copy = next(line for line in lines if line.startswith("--async-save: up to "))
+    assert float(copy.split()[3]) == pytest.approx(weights + optimizer, abs=0.011) and weights > 1

@@ -858,6 +858,8 @@ def config_from_args(args: argparse.Namespace) -> PretrainConfig:
     )
     if args.reset_iteration and not args.load:
         raise ConfigError("--reset-iteration restarts from the weights in --load; add --load DIR or drop it")
+    if args.async_save and not args.save:
+        raise ConfigError("--async-save writes the checkpoints of --save in the background; add --save DIR or drop it")
     checkpoint = CheckpointConfig(
         save=args.save,
         load=args.load,
