@@ -17,8 +17,8 @@ TIERS = {
         deepspeed_config flops_profiler gpt_dataset indexed_dataset lr_schedules megatron_lm_data model model_options moe_gating
         package_imports placement resume_schedule schedule_corner_cases token_data_checksum tokenizer transpose_op
         zero_residency""",
-    "integration": """checkpoint_faults checkpoint_format1 curriculum curriculum_sampling data_loader_worker_faults generation
-        hf_import_faults
+    "integration": """checkpoint_faults checkpoint_format1 fast_writer curriculum curriculum_sampling
+        data_loader_worker_faults generation hf_import_faults
         load_config_check memory run_end_faults runtime""",
     "distributed": """async_save comms_logger config_inputs deepspeed_keys distill evaluation expert_tensor_parallel hf_interop
         onebit_adam onebit_allreduce onebit_lamb zero_one_adam random_ltd curriculum_pipeline

@@ -2,6 +2,7 @@
 in a row), bit flips in every file kind, a damaged or missing `latest`, a full disk, checkpoints
 saved before manifests existed, a manifest deleted from a checkpoint that had one."""
 
+import json
 import multiprocessing
 import signal
 import subprocess
@@ -235,12 +236,18 @@ def test_a_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(corpus, 
     assert read_latest(str(folder))[0] == 2
 
 
-def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, small_disk, monkeypatch):
+@pytest.mark.parametrize("how", ["sync", "async", "fast writer"])
+def test_a_disk_that_fills_during_the_save_leaves_no_partial_folder(corpus, small_disk, monkeypatch, tmp_path, how):
     mount, checkpoint_bytes = small_disk
     folder = mount(checkpoint_bytes // 2) / "ckpt"
     # the disk reports room when the save starts and fills while it writes (another writer, say)
     monkeypatch.setattr(save_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**12))
-    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL), SINGLE)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"checkpoint": {"writer": {"type": "fast", "io_buffer_size": 8192}}}))
+    extra = {"async": {"async_save": True}, "fast writer": {"deepspeed": True, "deepspeed_config": str(ds)}}.get(
+        how, {}
+    )
+    trainer = Trainer(tiny_config(corpus, train_iters=4, save=str(folder), save_interval=INTERVAL, **extra), SINGLE)
     with pytest.raises(
         CheckpointError,
         match=r"iter_0000004 failed on rank 0 \(.*No space left on device.*\); the "

@@ -36,6 +36,7 @@ from megatron.checkpoint.manifest import (
     RunRecord,
     write_manifest,
 )
+from megatron.checkpoint.tensor_file import Opener
 from megatron.checkpoint.tensors import RngState, pack_by_size, rng_state, save_tensors
 from megatron.errors import CheckpointError
 from megatron.parallel import ParallelGrid
@@ -66,6 +67,7 @@ class EngineState:
     precision: str
     rank_own: RankOwnState | None = None
     rng: RngState = field(default_factory=rng_state)  # taken when the state is
+    opener: Opener | None = None  # how its files are written (aio_writer.py); None: buffered writes
 
     def tensor_sets(self) -> list[dict[str, torch.Tensor]]:
         return [self.model, self.optimizer, *([self.rank_own.tensors] if self.rank_own else [])]
@@ -119,8 +121,8 @@ class _RankWriter:
     thread fsyncs each file already written; files are cut into parts so that the last one's work
     after its write is short."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, opener: Opener | None) -> None:
+        self.folder, self.opener = folder, opener
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.pending: dict[str, tuple[Future[None], FileRecord]] = {}
 
@@ -132,11 +134,11 @@ class _RankWriter:
     ) -> None:
         for part, entries in enumerate(_parts(tensors)):
             name = rank_file(stem, rank, part)
-            self._written(name, save_tensors(self.folder / name, entries, metadata))
+            self._written(name, save_tensors(self.folder / name, entries, metadata, self.opener))
 
     def rng(self, rank: int, state: RngState) -> None:
         name = rank_file(RNG, rank)
-        self._written(name, save_tensors(self.folder / name, state.tensors, state.metadata))
+        self._written(name, save_tensors(self.folder / name, state.tensors, state.metadata, self.opener))
 
     def records(self) -> dict[str, FileRecord]:
         try:
@@ -158,7 +160,7 @@ class RankWrite:
 def write_rank_files(staging: Path, state: EngineState) -> RankWrite:
     """This rank's files, written into the staging folder; no collective, so a thread can do it."""
     rank = state.grid.rank
-    writer = _RankWriter(staging)
+    writer = _RankWriter(staging, state.opener)
     try:
         writer.rng(rank, state.rng)
         writer.tensors(MODEL, rank, state.model)
@@ -168,7 +170,17 @@ def write_rank_files(staging: Path, state: EngineState) -> RankWrite:
         return RankWrite(writer.records(), None)
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         writer.pool.shutdown(cancel_futures=True)
-        return RankWrite({}, getattr(error, "strerror", None) or str(error))
+        return RankWrite({}, _reason(error))
+
+
+def _reason(error: Exception) -> str:
+    """The error's words for the sentence, its errno's name first where its message lacks it (the
+    aio op says what it was doing: "reserving ... bytes at file offset ...")."""
+    text = getattr(error, "strerror", None) or str(error)
+    code = getattr(error, "errno", None)
+    if code and os.strerror(code) not in text:
+        return f"{os.strerror(code)}: {text}"
+    return text
 
 
 def layout_record(grid: ParallelGrid) -> LayoutRecord:

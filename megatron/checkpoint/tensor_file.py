@@ -11,10 +11,12 @@ beside the next write).
 import json
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from megatron.checkpoint.checksum import BlockSum
@@ -78,19 +80,33 @@ def _header(ordered: list[Planned], metadata: dict[str, str] | None) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+class Sink(Protocol):
+    """Where a file's bytes go, in order (an open file, or aio_writer.AioFile)."""
+
+    def write(self, data: np.ndarray) -> None: ...
+
+
+# how a file of a given size is opened for writing: buffered (the default) or aio_writer.AioWriter.open
+Opener = Callable[[Path, int], AbstractContextManager[Sink]]
+
+
 def write_tensor_file(
-    path: Path, entries: list[Planned], produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None
+    path: Path,
+    entries: list[Planned],
+    produce: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    opener: Opener | None = None,
 ) -> FileRecord:
     """Write `entries` (each made by `produce(name)` when its turn comes) as the safetensors file
-    `path`, not yet flushed to the disk; returns its size and checksum."""
+    `path`, not yet flushed to the disk; returns its size and checksum. `opener(path, size)` gives
+    the sink (default: the file opened for buffered writing)."""
     # wider dtypes first, each keeping the planned order, so every tensor starts aligned to its element size
     ordered = sorted(entries, key=lambda entry: -entry.info.dtype.itemsize)
-    checksum, size = BlockSum(), 0
-    with open(path, "wb") as out:
-        head = _header(ordered, metadata)
+    head = np.frombuffer(bytearray(_header(ordered, metadata)), dtype=np.uint8)  # writable, for torch.from_numpy
+    checksum, size = BlockSum(), head.size + sum(entry.info.nbytes for entry in ordered)
+    with (opener or _buffered)(path, size) as out:
         out.write(head)
         checksum.update(head)
-        size += len(head)
         for entry in ordered:
             tensor = produce(entry.name)
             if tensor.dtype != entry.info.dtype or tuple(tensor.shape) != entry.info.shape:
@@ -101,6 +117,9 @@ def write_tensor_file(
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             checksum.update(data)  # while the bytes are in the cache, before the write moves them on
             out.write(data)
-            size += data.size
             del tensor, data
     return FileRecord(size=size, checksum=checksum.hexdigest())
+
+
+def _buffered(path: Path, size: int) -> AbstractContextManager[Sink]:
+    return open(path, "wb")

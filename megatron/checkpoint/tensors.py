@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from megatron.checkpoint.layout import rank_files
 from megatron.checkpoint.manifest import FileRecord
-from megatron.checkpoint.tensor_file import planned_of, write_tensor_file
+from megatron.checkpoint.tensor_file import Opener, planned_of, write_tensor_file
 from megatron.errors import CheckpointError
 from megatron.placement import expert_ids, local_part, tensor_parallel_split
 from megatron.tensor_split import TP_SLICE_MARK, unshard
@@ -168,9 +168,12 @@ class ShardedReader:
         return torch.stack([self.get_whole(f"{name}[{g}]", shape[1:]) for g in ids])
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FileRecord:
-    """`tensors` as the safetensors file `path` (not yet flushed), and its record."""
-    return write_tensor_file(path, planned_of(tensors), tensors.__getitem__, metadata)
+def save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, opener: Opener | None = None
+) -> FileRecord:
+    """`tensors` as the safetensors file `path` (not yet flushed), and its record; `opener` writes
+    it (default: buffered writes)."""
+    return write_tensor_file(path, planned_of(tensors), tensors.__getitem__, metadata, opener)
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import comm
+from megatron.checkpoint.aio_writer import AioWriter
 from megatron.checkpoint.manifest import Manifest, RunRecord
 from megatron.checkpoint.save import EngineState, save_folder
 from megatron.checkpoint.verify import read_checkpoint, verify_folder
@@ -271,6 +272,17 @@ class Engine:
     @property
     def precision(self) -> str:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.autocast_dtype, "fp32")
+
+    @functools.cached_property
+    def checkpoint_writer(self) -> AioWriter | None:
+        """The ds_config's fast checkpoint writer (FastPersist), made at the first save: its staging
+        buffers are kept for every later one. None: buffered writes."""
+        c = self.config.checkpoint
+        if not c.fast_writer:
+            return None
+        assert c.writer is not None
+        log = functools.partial(print, flush=True) if self.parallel.is_first_rank else lambda line: None
+        return AioWriter(self.config.aio.handle_settings(), c.writer.io_buffer_size, c.writer.io_buffer_double, log)
 
     def checkpoint_state(self, client_state: dict[str, Any] | None = None) -> EngineState:
         """This rank's share of a checkpoint (engine_checkpoint.py)."""

@@ -65,7 +65,8 @@ def checkpoint_state(engine: "Engine", client_state: dict[str, Any] | None = Non
     )
     optimizer = engine.optimizer
     own = rank_own_state(optimizer, _names(engine)) if isinstance(optimizer, CompressedOptimizer) else None
-    return EngineState(model, optim, record, grid, engine.strategy.stage, engine.precision, own)
+    opener = engine.checkpoint_writer.open if engine.checkpoint_writer is not None else None
+    return EngineState(model, optim, record, grid, engine.strategy.stage, engine.precision, own, opener=opener)
 
 
 def _names(engine: "Engine") -> dict[torch.Tensor, str]:

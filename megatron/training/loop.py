@@ -180,7 +180,8 @@ class Trainer:
         self.consumed_tokens = 0  # as counted by self.count: fewer under a curriculum or random-LTD
         self.saved_iteration: int | None = None
         # --async-save: checkpoints written in the background, at most one in flight
-        self.saver = AsyncCheckpointSaver(grid, self.log.info) if config.checkpoint.async_save else None
+        background = config.checkpoint.async_save or runtime.checkpoint.decoupled  # DeepSpeed's spelling of it
+        self.saver = AsyncCheckpointSaver(grid, self.log.info) if background else None
         self.window = LogWindow()  # the iterations since the last log line (a resume carries them)
         self.run_start = (0, 0)  # iteration and skipped steps where train() began
         if self.resume_from is not None:

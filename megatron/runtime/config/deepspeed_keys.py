@@ -62,6 +62,10 @@ def _above_one(value: Any) -> bool:
     return value is not None and value > 1
 
 
+def _mock(kind: Any) -> bool:
+    return kind == "mock"
+
+
 def _given(value: Any) -> bool:
     return value is not None
 
@@ -112,7 +116,12 @@ HINTS: tuple[Hint, ...] = (
     Hint(("seq_parallel_communication_data_type",), "Ulysses sequence parallelism is not built"),
     Hint(("allgather_size",), "it sizes buckets only beside a boolean zero_optimization"),
     Hint(("pipeline",), "DeepSpeed's PipelineEngine reads it; pipeline parallelism is not built"),
-    Hint(("checkpoint",), "checkpoints here are written atomically with a manifest and load under any layout"),
+    Hint(("checkpoint", "tag_validation"), "every rank's files are checked against the manifest when loaded"),
+    Hint(("checkpoint", "load_universal"), "checkpoints here load under any layout without a conversion"),
+    Hint(("checkpoint", "use_node_local_storage"), "every rank writes its own files into the one --save folder"),
+    Hint(("checkpoint", "parallel_write"), "every rank writes its own files here"),
+    Hint(("checkpoint", "checkpoint_serialization"), "checkpoints here are safetensors files, never pickled"),
+    Hint(("checkpoint", "writer", "show_statistics"), "each save's log line gives its time"),
     Hint(("timers",), "DeepSpeed's throughput timers; the trainer's log lines report throughput"),
     Hint(("compile",), "settings of DeepSpeed's torch.compile integration"),
     Hint(("activation_checkpointing",), "--checkpoint-activations turns checkpointing on, as in Megatron-DeepSpeed"),
@@ -215,6 +224,9 @@ UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt(("bf16", "bf16_master_weights_and_grads"), "bf16 master weights", _is_true),
     Unbuilt(("bf16", "bf16_optimizer_states"), "bf16 optimizer states", _is_true),
     Unbuilt(("aio", "use_gds"), "GPUDirect Storage", _is_true),
+    Unbuilt(("checkpoint", "writer", "type"), "the mock checkpoint writer", _mock, 'use "fast" or "python"'),
+    Unbuilt(("checkpoint", "writer", "io_multiplier"), "multiplied checkpoint writes", _above_one),
+    Unbuilt(("checkpoint", "writer", "data_parallel"), "checkpoint writes split over data-parallel ranks", _given),
     Unbuilt(("zero_optimization", "zero_hpz_partition_size"), "ZeRO++ hierarchical partitioning", _above_one),
     Unbuilt(("zero_optimization", "zero_quantized_weights"), "ZeRO++ quantized weights", _is_true),
     Unbuilt(("zero_optimization", "zero_quantized_nontrainable_weights"), "ZeRO++ quantized weights", _is_true),
@@ -282,7 +294,6 @@ class TopLevelKeys(Section):
     sequence_parallel_size: PositiveCount | None = None
     allgather_size: PositiveCount | None = None
     pipeline: Block | None = None
-    checkpoint: Block | None = None
     timers: Block | None = None
     compile: Block | None = None
     data_types: Block | None = None
@@ -400,6 +411,20 @@ class BF16Keys(Section):
     check_grad_overflow: bool | None = None
     bf16_master_weights_and_grads: bool | None = None
     bf16_optimizer_states: bool | None = None
+
+
+class CheckpointKeys(Section):
+    tag_validation: str | None = None
+    load_universal: bool | None = None
+    use_node_local_storage: bool | None = None
+    parallel_write: Block | None = None
+    checkpoint_serialization: bool | None = None
+
+
+class CheckpointWriterKeys(Section):
+    show_statistics: bool | None = None
+    io_multiplier: PositiveCount | None = None
+    data_parallel: str | None = None
 
 
 class AioKeys(Section):

@@ -16,6 +16,7 @@ from pydantic import AliasChoices, BaseModel, BeforeValidator, Field, Validation
 
 from megatron.comm.comms_log import check_op_names
 from megatron.errors import ConfigError
+from megatron.runtime.config.checkpoint_writer import CheckpointConfig
 from megatron.runtime.config.combinations import refuse_contradictions
 from megatron.runtime.config.config_file import read_config_source
 from megatron.runtime.config.curriculum_schedule import DifficultySchedule
@@ -372,6 +373,7 @@ class RuntimeConfig(TopLevelKeys):
     wall_clock_breakdown: bool = False  # forward / backward / step times on that line
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     aio: AioConfig = AioConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
     autotuning: AutotuningConfig = AutotuningConfig()
