@@ -21,6 +21,7 @@ import torch._dynamo  # torch's optimizers import it at their first: once here, 
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+import megatron.checkpoint.async_save as async_save_module
 import megatron.checkpoint.save as save_module
 from megatron.checkpoint.iterations import read_latest
 from megatron.checkpoint.layout import LATEST_FILE, MANIFEST_FILE
@@ -228,3 +229,36 @@ def test_on_two_ranks_a_kill_at_every_step_of_an_async_save_twice_loses_nothing(
             resumed, expected = (load_file(str(run / "iter_0000004" / name)) for run in (folder, reference))
             assert resumed.keys() == expected.keys(), f"killed at step {step}: {name}"
             assert all(torch.equal(resumed[key], expected[key]) for key in expected), f"killed at step {step}: {name}"
+
+
+def test_an_overlapped_copy_is_waited_for_by_the_update_and_the_files_stay_exact(corpus, tmp_path, monkeypatch, capsys):
+    """Under ZeRO stage 0 the writer copies the state while the next forward and backward run; with
+    the copy slowed past them, the update must wait or it would change what is being copied."""
+    real = async_save_module.host_copy
+
+    def slow_copy(state):
+        time.sleep(0.5)
+        return real(state)
+
+    monkeypatch.setattr(async_save_module, "host_copy", slow_copy)
+    Trainer(
+        tiny_config(corpus, train_iters=6, save=str(tmp_path / "async"), save_interval=2, async_save=True), SINGLE
+    ).train()
+    monkeypatch.undo()
+    Trainer(tiny_config(corpus, train_iters=6, save=str(tmp_path / "sync"), save_interval=2), SINGLE).train()
+    assert _digests(tmp_path / "async") == _digests(tmp_path / "sync")
+    waited = [float(w) for w in re.findall(r"training waited ([0-9.]+) s for the copy", capsys.readouterr().out)]
+    assert len(waited) == 3 and min(waited[:2]) > 0.3  # the update of the next iteration waited for the copy
+
+
+def test_a_nan_in_an_overlapped_copy_is_never_saved_and_latest_never_moves(corpus, tmp_path):
+    save = tmp_path / "ckpt"
+    config = tiny_config(corpus, train_iters=4, save=str(save), save_interval=2, async_save=True,
+                         no_check_for_nan_in_loss_and_grad=True)  # fmt: skip
+    trainer = Trainer(config, SINGLE)
+    with torch.no_grad():  # a weight that is NaN from the start: every step is skipped and it stays NaN
+        next(trainer.engine.module.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"holds a NaN or an infinity on rank 0, so .*iter_0000002 was not written "
+                       "and the latest checkpoint is unchanged"):  # fmt: skip
+        trainer.train()
+    assert sorted(p.name for p in save.iterdir()) == []

@@ -53,7 +53,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 FOREIGN = {
     "--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--master_addr", "--master_port",
     "--index-url", "--no-deps", "--durations", "--junitxml", "--ep-size", "--threads", "--direct", "--name",
-    "--rw", "--bs", "--iodepth", "--ioengine", "--numjobs", "--size", "--filename",
+    "--rw", "--bs", "--iodepth", "--ioengine", "--numjobs", "--size", "--filename", "--async-only", "--step-rows",
 }  # fmt: skip
 BLOCK = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
 INLINE_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-zA-Z0-9_-]*)")

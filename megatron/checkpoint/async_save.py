@@ -10,6 +10,7 @@ the rename into place) and `latest` moves. So `latest` moves only when every ran
 durable, a kill at any point leaves the previous checkpoint as `latest`, a failed write stops the
 run at the iteration that learns of it, and at most one save is in flight: the next waits for it."""
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -20,7 +21,15 @@ import torch
 from megatron.checkpoint.iterations import Log, point_latest
 from megatron.checkpoint.layout import iteration_tag
 from megatron.checkpoint.manifest import RunRecord
-from megatron.checkpoint.save import EngineState, PreparedSave, RankWrite, finish_save, prepare_save, write_rank_files
+from megatron.checkpoint.save import (
+    EngineState,
+    PreparedSave,
+    RankWrite,
+    finish_save,
+    first_nonfinite,
+    prepare_save,
+    write_rank_files,
+)
 from megatron.parallel import ParallelGrid
 
 
@@ -32,16 +41,27 @@ class SavedCheckpoint:
     blocked_seconds: float  # what training waited for at the save: the checks and the copy
 
 
-@dataclass(frozen=True)
+@dataclass
 class _InFlight:
     iteration: int
     save_dir: str
     prepared: PreparedSave
-    state: EngineState  # the host copy the thread writes
+    state: EngineState  # what is saved (its tensors are the live ones once the copy is taken)
     run: RunRecord | None
     writing: "Future[RankWrite]"
+    copied: threading.Event  # set once the writer no longer reads the live tensors
     started: float
-    blocked_seconds: float
+    blocked_seconds: float = 0.0  # what training waited: the checks, the copy or the wait for it
+
+
+def _copy_then_write(prepared: PreparedSave, state: EngineState, copied: threading.Event) -> RankWrite:
+    """The writer's whole job for an overlapped save: the copy, the finiteness check on it, the files."""
+    try:
+        copy = host_copy(state)
+    finally:
+        copied.set()  # also when the copy failed: nothing waits for ever
+    bad = next((name for tensors in copy.tensor_sets() if (name := first_nonfinite(tensors))), None)
+    return RankWrite({}, None, nonfinite=bad) if bad else write_rank_files(prepared.staging, copy)
 
 
 def _host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -66,11 +86,6 @@ def host_copy(state: EngineState) -> EngineState:
     return copied
 
 
-def host_copy_bytes(state: EngineState) -> int:
-    """The host memory an asynchronous save of `state` holds while it is written."""
-    return sum(tensor.nbytes for tensors in state.tensor_sets() for tensor in tensors.values())
-
-
 class AsyncCheckpointSaver:
     """At most one checkpoint in flight; `poll` each iteration, `wait` before an exit or another save."""
 
@@ -79,9 +94,13 @@ class AsyncCheckpointSaver:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self.in_flight: _InFlight | None = None
 
-    def start(self, state: EngineState, save_dir: str, iteration: int, run: RunRecord | None) -> SavedCheckpoint | None:
-        """Begin saving `state` as `save_dir/iter_N/` (every rank, together), once the copy is taken;
-        returns the save that was still in flight, which it finished first."""
+    def start(
+        self, state: EngineState, save_dir: str, iteration: int, run: RunRecord | None, overlap: bool = False
+    ) -> SavedCheckpoint | None:
+        """Begin saving `state` as `save_dir/iter_N/` (every rank, together); returns the save that was
+        still in flight, which it finished first. With `overlap` the copy (and the finiteness check on
+        it) is the writer's too, and the caller must `wait_for_copy()` before anything changes the
+        state's tensors (the next optimizer step): valid where nothing else does."""
         began, previous = time.perf_counter(), None
         if self.in_flight is not None:
             self.log(
@@ -89,12 +108,25 @@ class AsyncCheckpointSaver:
                 f"saving iteration {iteration} (at most one save is in flight)"
             )
             previous = self.wait()
-        prepared = prepare_save(state, Path(save_dir) / iteration_tag(iteration))
-        copy = host_copy(state)
-        writing = self.pool.submit(write_rank_files, prepared.staging, copy)
-        blocked = time.perf_counter() - began
-        self.in_flight = _InFlight(iteration, save_dir, prepared, copy, run, writing, began, blocked)
+        prepared = prepare_save(state, Path(save_dir) / iteration_tag(iteration), check_finite=not overlap)
+        copied = threading.Event()
+        if overlap:
+            writing = self.pool.submit(_copy_then_write, prepared, state, copied)
+        else:
+            copy = host_copy(state)
+            copied.set()
+            writing = self.pool.submit(write_rank_files, prepared.staging, copy)
+        self.in_flight = _InFlight(iteration, save_dir, prepared, state, run, writing, copied, began)
+        self.in_flight.blocked_seconds += time.perf_counter() - began
         return previous
+
+    def wait_for_copy(self) -> None:
+        """Return once the save in flight holds its own copy of the state (at once when it does)."""
+        flight = self.in_flight
+        if flight is not None and not flight.copied.is_set():
+            began = time.perf_counter()
+            flight.copied.wait()
+            flight.blocked_seconds += time.perf_counter() - began
 
     def poll(self) -> SavedCheckpoint | None:
         """The save in flight, finished, if every rank's writer is done (a gather over the ranks

@@ -90,11 +90,14 @@ def _refuse_nonfinite(state: EngineState, final: Path) -> None:
     bad = next((name for tensors in state.tensor_sets() if (name := first_nonfinite(tensors))), None)
     found = [(rank, name) for rank, name in enumerate(state.grid.gather_from_all(bad)) if name]
     if found:
-        rank, name = found[0]
-        raise CheckpointError(
-            f"{name} holds a NaN or an infinity on rank {rank}, so {final} was not written and the latest checkpoint "
-            "is unchanged; the run diverged: resume from that checkpoint with a lower --lr or check the data"
-        )
+        raise _nonfinite_error(*found[0], final)
+
+
+def _nonfinite_error(rank: int, name: str, final: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{name} holds a NaN or an infinity on rank {rank}, so {final} was not written and the latest checkpoint "
+        "is unchanged; the run diverged: resume from that checkpoint with a lower --lr or check the data"
+    )
 
 
 def _bytes_needed(state: EngineState) -> int:
@@ -155,6 +158,7 @@ class RankWrite:
 
     records: dict[str, FileRecord]
     error: str | None
+    nonfinite: str | None = None  # an asynchronous save's copy held a NaN here: nothing was written
 
 
 def write_rank_files(staging: Path, state: EngineState) -> RankWrite:
@@ -232,10 +236,12 @@ class PreparedSave:
     needed: int  # bytes, every rank's, for the message of a full disk
 
 
-def prepare_save(state: EngineState, final: Path) -> PreparedSave:
-    """Steps 1-2 of the protocol before the writing (every rank, together)."""
+def prepare_save(state: EngineState, final: Path, check_finite: bool = True) -> PreparedSave:
+    """Steps 1-2 of the protocol before the writing (every rank, together); without `check_finite`
+    the writer checks its copy and finish_save refuses what it found."""
     grid = state.grid
-    _refuse_nonfinite(state, final)
+    if check_finite:
+        _refuse_nonfinite(state, final)
     needed = _bytes_needed(state)
     staging = staging_folder(final)
     if grid.is_first_rank:
@@ -254,6 +260,12 @@ def finish_save(prepared: PreparedSave, state: EngineState, written: RankWrite, 
     written, else the partial folder removed and the run stopped with one sentence."""
     grid, staging, final = state.grid, prepared.staging, prepared.final
     outcomes: list[RankWrite] = grid.gather_from_all(written)
+    nonfinite = [(rank, outcome.nonfinite) for rank, outcome in enumerate(outcomes) if outcome.nonfinite]
+    if nonfinite:
+        if grid.is_first_rank:
+            shutil.rmtree(staging, ignore_errors=True)
+        grid.barrier()
+        raise _nonfinite_error(*nonfinite[0], final)
     failed = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if outcome.error]
     if not failed:
         finish_error = None

@@ -359,6 +359,7 @@ class Trainer:
                 if index < micro_batches - 1:  # the last one's is the update, after the timer
                     self.engine.step()
                 total = total + step.losses.detach()
+        self._before_the_update()
         self.engine.step()
         update_expert_biases(self.engine.module, self.grid.stage_group, step_taken=not self.engine.last_step_skipped)
         return total / self.engine.gradient_accumulation_steps
@@ -399,6 +400,7 @@ class Trainer:
             one_forward_one_backward(
                 len(batches), grid.pp_rank, grid.pp_size, self._stage_links(seq_length), forward, backward
             )
+        self._before_the_update()
         engine.step()
         update_expert_biases(engine.module, grid.stage_group, step_taken=not engine.last_step_skipped)
         return total.summed_over(grid.pp_group) / len(batches)
@@ -451,7 +453,8 @@ class Trainer:
         save_dir = self.config.checkpoint.save
         if self.saver is not None:
             with timed("save-checkpoint"):
-                previous = self.saver.start(self.engine.checkpoint_state(), save_dir, self.iteration, run)
+                state = self.engine.checkpoint_state()
+                previous = self.saver.start(state, save_dir, self.iteration, run, overlap=self._overlapped_copy())
             self._saved_in_background(result, previous)
             self.log.info(f" > saving checkpoint at iteration {self.iteration} to {save_dir} in the background")
             return
@@ -464,6 +467,20 @@ class Trainer:
         self.log.info(
             f" > saved checkpoint at iteration {self.iteration} to {path} in {time.perf_counter() - start:.1f} s"
         )
+
+    def _before_the_update(self) -> None:
+        """An overlapped background save copies the state while the next forward and backward run;
+        the update, which changes it, waits for the copy."""
+        if self.saver is not None:
+            self.saver.wait_for_copy()
+
+    def _overlapped_copy(self) -> bool:
+        """Whether the state's tensors stay untouched until the next update (so a background save may
+        copy them meanwhile): not under ZeRO stage 3, whose gathered weights are buffers that the next
+        forward reuses, nor with offload, whose swap buffers are."""
+        zero = self.runtime.zero_optimization
+        offloaded = zero.offload_optimizer.device != "none" or zero.offload_param.device != "none"
+        return self.engine.strategy.stage <= 2 and not offloaded
 
     def _saved_in_background(self, result: TrainResult, saved: SavedCheckpoint | None) -> None:
         if saved is None:
