@@ -162,11 +162,11 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(corpus, tmp_path, monk
     real_save = state_io.save_tensors
     calls = {"n": 0}
 
-    def failing_save(path, tensors, metadata=None):
+    def failing_save(path, tensors, metadata=None, opener=None):
         calls["n"] += 1
         if calls["n"] > 3:  # the first checkpoint writes rng, model and optimizer; the second dies
             raise OSError("disk full")
-        return real_save(path, tensors, metadata)
+        return real_save(path, tensors, metadata, opener)
 
     monkeypatch.setattr("megatron.checkpoint.save.save_tensors", failing_save)
     with pytest.raises(

@@ -26,8 +26,8 @@ from megatron.checkpoint.save import (
     PreparedSave,
     RankWrite,
     finish_save,
-    first_nonfinite,
     prepare_save,
+    state_nonfinite,
     write_rank_files,
 )
 from megatron.parallel import ParallelGrid
@@ -46,7 +46,7 @@ class _InFlight:
     iteration: int
     save_dir: str
     prepared: PreparedSave
-    state: EngineState  # what is saved (its tensors are the live ones once the copy is taken)
+    state: EngineState  # the live state saved (the writer holds its own copy of its tensors)
     run: RunRecord | None
     writing: "Future[RankWrite]"
     copied: threading.Event  # set once the writer no longer reads the live tensors
@@ -60,7 +60,7 @@ def _copy_then_write(prepared: PreparedSave, state: EngineState, copied: threadi
         copy = host_copy(state)
     finally:
         copied.set()  # also when the copy failed: nothing waits for ever
-    bad = next((name for tensors in copy.tensor_sets() if (name := first_nonfinite(tensors))), None)
+    bad = state_nonfinite(copy)
     return RankWrite({}, None, nonfinite=bad) if bad else write_rank_files(prepared.staging, copy)
 
 

@@ -86,8 +86,13 @@ def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+def state_nonfinite(state: EngineState) -> str | None:
+    """The name of the state's first tensor holding a NaN or an infinity, if any."""
+    return next((name for tensors in state.tensor_sets() if (name := first_nonfinite(tensors))), None)
+
+
 def _refuse_nonfinite(state: EngineState, final: Path) -> None:
-    bad = next((name for tensors in state.tensor_sets() if (name := first_nonfinite(tensors))), None)
+    bad = state_nonfinite(state)
     found = [(rank, name) for rank, name in enumerate(state.grid.gather_from_all(bad)) if name]
     if found:
         raise _nonfinite_error(*found[0], final)
