@@ -47,6 +47,27 @@ OPTIMIZERS = [  # (label, the ds_config optimizer block)
             "params": {**ADAM, "var_freeze_step": FREEZE, "local_step_scaler": 16, "local_step_clipper": 8},
         },
     ),
+    # the scalers sized for this run: the variance updated at every warm-up step, replicas meeting every 2 steps
+    (
+        "0/1 Adam, local_step_clipper 2",
+        {
+            "type": "ZeroOneAdam",
+            "params": {**ADAM, "var_freeze_step": FREEZE, "local_step_scaler": 16, "local_step_clipper": 2},
+        },
+    ),
+    (
+        "0/1 Adam, var_update_scaler 64, local_step_clipper 2",
+        {
+            "type": "ZeroOneAdam",
+            "params": {
+                **ADAM,
+                "var_freeze_step": FREEZE,
+                "var_update_scaler": 64,
+                "local_step_scaler": 16,
+                "local_step_clipper": 2,
+            },
+        },
+    ),
     ("LAMB", {"type": "Lamb", "params": LAMB}),
     ("1-bit LAMB", {"type": "OneBitLamb", "params": {**LAMB, "freeze_step": FREEZE}}),
 ]
