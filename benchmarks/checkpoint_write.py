@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 from benchmarks.aio import FioConfig, ensure_fio, fio_gbps, machine
-from benchmarks.checkpoint import build_engine, default_folder, drop_cached, parse_count, settle_page_cache, timed
+from benchmarks.checkpoint import (
+    build_engine,
+    checkpoint_files,
+    default_folder,
+    drop_cached,
+    parse_count,
+    settle_page_cache,
+    timed,
+)
 from megatron.checkpoint.aio_writer import AioWriter
 from megatron.checkpoint.async_save import AsyncCheckpointSaver
 from megatron.checkpoint.save import save_folder
@@ -44,7 +52,7 @@ FIO_GRID = [FioConfig(1 << 20, 16, 1, False), FioConfig(4 << 20, 8, 1, False), F
 
 
 def folder_bytes(folder: Path) -> int:
-    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    return sum(path.stat().st_size for path in checkpoint_files(folder))
 
 
 def torch_save(engine: Engine, folder: Path) -> None:
@@ -58,16 +66,12 @@ def torch_save(engine: Engine, folder: Path) -> None:
 def timed_save(save: Any, folder: Path) -> float:
     shutil.rmtree(folder, ignore_errors=True)
     settle_page_cache()
-    began = time.perf_counter()
-    save(folder)
-    return time.perf_counter() - began
+    return timed(lambda: save(folder))
 
 
 def timed_load(engine: Engine, folder: Path) -> float:
     drop_cached(folder)
-    began = time.perf_counter()
-    engine.load_checkpoint(str(folder.parent), folder.name)
-    return time.perf_counter() - began
+    return timed(lambda: engine.load_checkpoint(str(folder.parent), folder.name))
 
 
 def measure_writes(engine: Engine, work: Path, rounds: int, writer: AioWriter) -> dict[str, Any]:

@@ -267,9 +267,7 @@ def finish_save(prepared: PreparedSave, state: EngineState, written: RankWrite, 
     outcomes: list[RankWrite] = grid.gather_from_all(written)
     nonfinite = [(rank, outcome.nonfinite) for rank, outcome in enumerate(outcomes) if outcome.nonfinite]
     if nonfinite:
-        if grid.is_first_rank:
-            shutil.rmtree(staging, ignore_errors=True)
-        grid.barrier()
+        _remove_staging(grid, staging)
         raise _nonfinite_error(*nonfinite[0], final)
     failed = [(rank, outcome.error) for rank, outcome in enumerate(outcomes) if outcome.error]
     if not failed:
@@ -282,9 +280,7 @@ def finish_save(prepared: PreparedSave, state: EngineState, written: RankWrite, 
                 finish_error = error.strerror or str(error)
         failed = [(0, error) for error in grid.gather_from_all(finish_error)[:1] if error]
     if failed:
-        if grid.is_first_rank:
-            shutil.rmtree(staging, ignore_errors=True)
-        grid.barrier()
+        _remove_staging(grid, staging)
         rank, reason = failed[0]
         full = os.strerror(errno.ENOSPC) in reason
         advice = (
@@ -297,6 +293,13 @@ def finish_save(prepared: PreparedSave, state: EngineState, written: RankWrite, 
             f"earlier checkpoints are intact; {advice}"
         )
     return final
+
+
+def _remove_staging(grid: ParallelGrid, staging: Path) -> None:
+    """A failed save's partial folder, gone on every rank's return (every rank, together)."""
+    if grid.is_first_rank:
+        shutil.rmtree(staging, ignore_errors=True)
+    grid.barrier()
 
 
 def save_folder(state: EngineState, final: Path, run: RunRecord | None) -> Path:

@@ -112,6 +112,10 @@ class Trainer:
         set_seed(config.training.seed)
         data = config.data
         self.tokenizer: Tokenizer = tokenizer_of(tokenizer_spec_of(data))
+        curriculum = sequence_curriculum(runtime.curriculum_learning, runtime.data_efficiency, config)
+        self.random_ltd = random_ltd_for(runtime.data_efficiency, config)
+        self.count = TokenCount(config, curriculum, self.random_ltd)
+        self.length = run_length(config, self.count)  # the datasets hold its iterations' samples
         # data first: a bad prefix or corrupt index stops the run before the model is built
         self.train_data, self.valid_data, self.test_data = self._build_datasets()
         # as Megatron pads it: every tensor-parallel rank gets an equal share of whole multiples
@@ -123,13 +127,9 @@ class Trainer:
         )
         model = GPTModel(self.model_config, ep_group=grid.ep_group, tp=tp, stage=stage).to(grid.device)
         self.moe_monitor = MoEMonitor()
-        curriculum = sequence_curriculum(runtime.curriculum_learning, runtime.data_efficiency, config)
         self.curriculum_sampling = curriculum_sampling_for(runtime.data_efficiency, config)
-        self.random_ltd = random_ltd_for(runtime.data_efficiency, config)
         if self.random_ltd is not None:
             model.random_ltd = self.random_ltd.layers
-        self.count = TokenCount(config, curriculum, self.random_ltd)
-        self.length = run_length(config)
         lg = config.logging
         self.timers = (
             Timers(lg.timing_log_level, lg.timing_log_option, grid.device) if lg.timing_log_level > 0 else None
@@ -289,10 +289,10 @@ class Trainer:
     def _build_datasets(self) -> tuple[Any, Any, Any]:
         """The first rank builds (and caches) the index arrays; the others then load them."""
         if self.grid.is_first_rank:
-            datasets = run_datasets(self.config, self.tokenizer.vocab_size)
+            datasets = run_datasets(self.config, self.tokenizer.vocab_size, self.length.train_iters)
         self.grid.barrier()
         if not self.grid.is_first_rank:
-            datasets = run_datasets(self.config, self.tokenizer.vocab_size)
+            datasets = run_datasets(self.config, self.tokenizer.vocab_size, self.length.train_iters)
         return datasets
 
     def loader(self, dataset: Any, consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -9,7 +9,7 @@ from megatron.errors import DataError
 from megatron.training.run_length import run_length
 
 
-def run_datasets(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, Any]:
+def run_datasets(config: PretrainConfig, vocab_size: int, train_iters: int | None = None) -> tuple[Any, Any, Any]:
     """The (train, valid, test) datasets of the run's flags (a split may be None); the first call
     builds and caches their index arrays, later calls load them."""
     t, d = config.training, config.data
@@ -17,7 +17,7 @@ def run_datasets(config: PretrainConfig, vocab_size: int) -> tuple[Any, Any, Any
     datasets = build_train_valid_test_datasets(
         list(d.data_path) if d.data_path else None,
         d.split,
-        (run_length(config).train_iters * t.global_batch_size, eval_samples, eval_samples),
+        ((train_iters or run_length(config).train_iters) * t.global_batch_size, eval_samples, eval_samples),
         t.seq_length,
         t.seed,
         train_data_prefix=list(d.train_data_path) if d.train_data_path else None,

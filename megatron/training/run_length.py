@@ -56,9 +56,10 @@ class TokenCount:
         return self.global_batch_size * length
 
 
-def run_length(run: PretrainConfig) -> RunLength:
+def run_length(run: PretrainConfig, count: TokenCount | None = None) -> RunLength:
+    """`count`: the run's token count where the caller has it (else made from the run's config)."""
     t = run.training
-    count = TokenCount.of(run)
+    count = count or TokenCount.of(run)
     if t.train_tokens is None or not count.schedules:  # every iteration counts whole sequences
         iterations = t.train_iters
         if t.train_tokens is not None:
